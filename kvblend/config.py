@@ -1,0 +1,241 @@
+"""The one settings object of kvblend and where its values come from.
+
+Sources, highest priority first:
+
+1. explicit keyword arguments (what the CLI passes for the flags a user set),
+2. environment variables: ``KVBLEND_<FIELD>`` (e.g. ``KVBLEND_MODEL``), and for the blending
+   and storage fields also the ``LMCACHE_*`` names LMCache users already know,
+3. a YAML file whose keys are the field names (``load_settings(yaml_path)``),
+4. the defaults below.
+
+When a ``KVBLEND_*`` name and its ``LMCACHE_*`` twin are both set, the ``KVBLEND_*`` one wins.
+
+LMCache name                      -> field
+``LMCACHE_ENABLE_BLENDING``       -> ``mode`` (true: "blend", false: "full")
+``LMCACHE_BLEND_SPECIAL_STR``     -> ``separator``
+``LMCACHE_BLEND_CHECK_LAYERS``    -> ``check_layers``
+``LMCACHE_BLEND_RECOMPUTE_RATIOS``-> ``recompute_ratios`` (``KVBLEND_BLEND_RATIOS`` works too)
+``LMCACHE_USE_LAYERWISE``         -> ``layerwise``
+``LMCACHE_CHUNK_SIZE``            -> ``chunk_size``
+``LMCACHE_LOCAL_CPU``             -> ``local_cpu``
+``LMCACHE_MAX_LOCAL_CPU_SIZE``    -> ``max_local_cpu_size`` (GiB)
+``LMCACHE_LOCAL_DISK``            -> ``local_disk`` (a ``file://`` scheme is stripped)
+``LMCACHE_MAX_LOCAL_DISK_SIZE``   -> ``max_local_disk_size`` (GiB)
+``LMCACHE_REMOTE_URL``            -> ``remote_url``
+"""
+
+from __future__ import annotations
+
+from contextvars import ContextVar
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import AliasChoices, Field, field_validator, model_validator
+from pydantic_settings import (
+    BaseSettings,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    YamlConfigSettingsSource,
+)
+
+# The YAML file for the Settings object being built right now. A context variable rather than
+# a class attribute, so that two threads loading different files don't see each other's path.
+_yaml_path: ContextVar[Path | None] = ContextVar("kvblend_yaml_path", default=None)
+
+_TRUE_WORDS = {"1", "true", "yes", "on"}
+_FALSE_WORDS = {"0", "false", "no", "off"}
+
+
+def _env(field: str, lmcache: str | None = None, *extra: str) -> AliasChoices:
+    """Environment names of a field: KVBLEND_<FIELD> first, so it beats the LMCache name."""
+    names = [f"KVBLEND_{field.upper()}", *extra]
+    if lmcache:
+        names.append(lmcache)
+    return AliasChoices(*names)
+
+
+def _split_list(value: Any) -> Any:
+    """Turn "1", "1,5" or "[1, 5]" (env, CLI, YAML) into a list; leave lists alone."""
+    if isinstance(value, str):
+        text = value.strip().removeprefix("[").removesuffix("]")
+        return [part.strip() for part in text.split(",") if part.strip()]
+    if isinstance(value, (int, float)):
+        return [value]
+    return value
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="KVBLEND_",
+        case_sensitive=False,
+        env_ignore_empty=True,  # `KVBLEND_X=` in a shell means "unset", not "empty string"
+        populate_by_name=True,  # Settings(check_layers=[1]) works despite the env aliases
+        loc_by_alias=False,  # errors name the field, not whichever env alias supplied it
+        extra="forbid",  # a mistyped keyword is an error, not silently ignored
+    )
+
+    # Model and numerics.
+    model: str = "smollm2-135m-instruct"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    max_model_len: int | None = Field(default=None, gt=0)
+    seed: int = Field(default=0, ge=0)
+
+    # Blending (DESIGN.md section 1).
+    mode: Literal["full", "prefix", "reuse", "blend"] = Field(
+        default="blend", validation_alias=_env("mode", "LMCACHE_ENABLE_BLENDING")
+    )
+    separator: str = Field(
+        default=" # # ", min_length=1, validation_alias=_env("separator", "LMCACHE_BLEND_SPECIAL_STR")
+    )
+    check_layers: Annotated[list[int], NoDecode] = Field(
+        default_factory=lambda: [1], validation_alias=_env("check_layers", "LMCACHE_BLEND_CHECK_LAYERS")
+    )
+    recompute_ratios: Annotated[list[float], NoDecode] = Field(
+        default_factory=lambda: [0.15],
+        validation_alias=_env("recompute_ratios", "LMCACHE_BLEND_RECOMPUTE_RATIOS", "KVBLEND_BLEND_RATIOS"),
+    )
+    deviation: Literal["k", "v", "kv"] = "v"  # measured best: see README, "Choosing the defaults"
+    check_layer_kv: Literal["fresh", "cached"] = "fresh"
+    chunk_context: Literal["bare", "bos", "prefix"] = "bare"  # measured best with V selection: see README
+    layerwise: bool = Field(default=True, validation_alias=_env("layerwise", "LMCACHE_USE_LAYERWISE"))
+
+    # Storage (DESIGN.md section 2).
+    namespace: str = Field(default="default", min_length=1)
+    chunk_size: int = Field(default=256, gt=0, validation_alias=_env("chunk_size", "LMCACHE_CHUNK_SIZE"))
+    local_cpu: bool = Field(default=True, validation_alias=_env("local_cpu", "LMCACHE_LOCAL_CPU"))
+    max_local_cpu_size: float = Field(
+        default=4.0, ge=0, validation_alias=_env("max_local_cpu_size", "LMCACHE_MAX_LOCAL_CPU_SIZE")
+    )
+    local_disk: str | None = Field(default=None, validation_alias=_env("local_disk", "LMCACHE_LOCAL_DISK"))
+    max_local_disk_size: float = Field(
+        default=20.0, ge=0, validation_alias=_env("max_local_disk_size", "LMCACHE_MAX_LOCAL_DISK_SIZE")
+    )
+    remote_url: str | None = Field(default=None, validation_alias=_env("remote_url", "LMCACHE_REMOTE_URL"))
+
+    @field_validator("mode", mode="before")
+    @classmethod
+    def _mode_from_bool(cls, value: Any) -> Any:
+        # LMCACHE_ENABLE_BLENDING shares this field and carries a boolean: on means blend,
+        # off means plain full prefill.
+        if isinstance(value, bool):
+            return "blend" if value else "full"
+        if isinstance(value, str):
+            word = value.strip().lower()
+            if word in _TRUE_WORDS:
+                return "blend"
+            if word in _FALSE_WORDS:
+                return "full"
+            return word
+        return value
+
+    @field_validator("check_layers", "recompute_ratios", mode="before")
+    @classmethod
+    def _parse_list(cls, value: Any) -> Any:
+        return _split_list(value)
+
+    @field_validator("check_layers")
+    @classmethod
+    def _check_layers_valid(cls, layers: list[int]) -> list[int]:
+        if not layers:
+            raise ValueError("check_layers must name at least one layer")
+        if any(layer < 0 for layer in layers):
+            raise ValueError(f"check_layers must be >= 0, got {layers}")
+        # Gradual filtering narrows the selection layer after layer, so order matters.
+        if any(a >= b for a, b in zip(layers, layers[1:])):
+            raise ValueError(f"check_layers must be strictly increasing, got {layers}")
+        return layers
+
+    @field_validator("recompute_ratios")
+    @classmethod
+    def _ratios_valid(cls, ratios: list[float]) -> list[float]:
+        if not ratios:
+            raise ValueError("recompute_ratios must hold at least one ratio")
+        if any(not 0.0 <= r <= 1.0 for r in ratios):
+            raise ValueError(f"recompute_ratios must each be in [0, 1], got {ratios}")
+        # Each check layer keeps a subset of the previous one's selection, never more tokens.
+        if any(a < b for a, b in zip(ratios, ratios[1:])):
+            raise ValueError(f"recompute_ratios must be non-increasing, got {ratios}")
+        return ratios
+
+    @field_validator("local_disk", mode="before")
+    @classmethod
+    def _strip_file_scheme(cls, value: Any) -> Any:
+        # LMCache writes local_disk as a URL, e.g. "file:///tmp/x/".
+        if isinstance(value, str):
+            value = value.strip().removeprefix("file://")
+            return value or None
+        return value
+
+    @field_validator("remote_url", mode="before")
+    @classmethod
+    def _empty_url_is_none(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return value.strip() or None
+        return value
+
+    @model_validator(mode="after")
+    def _ratios_match_layers(self) -> Settings:
+        n_layers, n_ratios = len(self.check_layers), len(self.recompute_ratios)
+        if n_ratios == 1 and n_layers > 1:
+            # One ratio for several check layers: the same ratio at each of them.
+            self.recompute_ratios = self.recompute_ratios * n_layers
+        elif n_ratios != n_layers:
+            raise ValueError(
+                f"recompute_ratios has {n_ratios} values but check_layers has {n_layers}; "
+                "give one ratio per check layer, or a single ratio for all of them"
+            )
+        return self
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # Order is priority: flags > environment > YAML > defaults. No .env or secrets files:
+        # configuration should come only from places a user can see.
+        sources: list[PydanticBaseSettingsSource] = [init_settings, env_settings]
+        path = _yaml_path.get()
+        if path is not None:
+            sources.append(YamlConfigSettingsSource(settings_cls, yaml_file=path))
+        return tuple(sources)
+
+
+def _check_yaml(path: Path) -> None:
+    """Fail early and clearly on a missing file, a non-mapping, or an unknown key."""
+    if not path.is_file():
+        raise FileNotFoundError(f"kvblend config file not found: {path}")
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    if data is None:
+        return
+    if not isinstance(data, dict):
+        raise ValueError(f"kvblend config file {path} must hold a mapping of setting names to values")
+    unknown = sorted(str(key) for key in data if key not in Settings.model_fields)
+    if unknown:
+        raise ValueError(
+            f"unknown key(s) in kvblend config file {path}: {', '.join(unknown)}; "
+            f"known keys: {', '.join(Settings.model_fields)}"
+        )
+
+
+def load_settings(yaml_path: str | Path | None = None, **overrides: Any) -> Settings:
+    """Build Settings from flags (``overrides``), environment, an optional YAML file, defaults.
+
+    Overrides whose value is None are dropped, so CLI flags the user left unset don't hide
+    what the environment or the YAML file says.
+    """
+    path = Path(yaml_path).expanduser() if yaml_path is not None else None
+    if path is not None:
+        _check_yaml(path)
+    flags = {name: value for name, value in overrides.items() if value is not None}
+    token = _yaml_path.set(path)
+    try:
+        return Settings(**flags)
+    finally:
+        _yaml_path.reset(token)
