@@ -1,0 +1,149 @@
+"""Prefill of one planned request in any mode: full, prefix, reuse or blend.
+
+Rows [0, prefix_hit) hold exact KV from the prefix cache. Reused rows hold cached chunk KV moved
+to their new positions. Blend computes every other row through the layers before the first check
+layer, then at each check layer keeps only the reused rows whose fresh K (or V) deviates most from
+the cached one; after it only the kept rows (and the rows that must always be computed:
+separators, missed chunks, the suffix) go on, at their true positions, and their fresh KV
+overwrites the cached rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..model.runner import KVCache, Runner
+from .plan import Plan
+from .select import deviation, n_selected, top_tokens
+
+MODES = ("full", "prefix", "reuse", "blend")
+
+
+@dataclass
+class BlendConfig:
+    check_layers: list[int] = field(default_factory=lambda: [1])
+    ratios: list[float] = field(default_factory=lambda: [0.15])
+    deviation: str = "k"
+    check_layer_kv: str = "fresh"  # KV that unselected rows keep at the check layer itself
+
+    def __post_init__(self):
+        if len(self.ratios) == 1 and len(self.check_layers) > 1:
+            self.ratios = self.ratios * len(self.check_layers)
+        if len(self.ratios) != len(self.check_layers):
+            raise ValueError(f"{len(self.ratios)} recompute ratios for {len(self.check_layers)} check layers")
+        if self.check_layer_kv not in ("fresh", "cached"):
+            raise ValueError(f"check_layer_kv must be 'fresh' or 'cached', got {self.check_layer_kv!r}")
+
+
+@dataclass
+class PrefillStats:
+    prefix_hit_tokens: int = 0
+    reused_tokens: int = 0  # rows whose final KV at the last layer came from a cached chunk
+    recomputed_tokens: int = 0  # rows computed through every layer after the prefix
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+    compute_frac: float = 1.0  # computed (layer, row) pairs / a full prefill's
+    selected_positions: list[int] = field(default_factory=list)
+
+
+@dataclass
+class PrefillOutput:
+    cache: KVCache
+    logits: torch.Tensor  # [vocab] of the prompt's last token
+    stats: PrefillStats
+
+
+class ChunkLoader:
+    """Writes one layer of cached KV (prefix blocks, re-encoded chunks) into the cache."""
+
+    def __init__(self, runner: Runner, plan: Plan, cache: KVCache):
+        self.runner, self.plan, self.cache = runner, plan, cache
+        dev = runner.device
+        # Per hit chunk: the rows it supplies (>= prefix_hit) and the rotation each row needs.
+        self.parts = []
+        for c in plan.chunks:
+            if c.kv is None:
+                continue
+            start = max(c.span[0], plan.prefix_hit)
+            if start >= c.span[1]:
+                continue
+            offset = start - c.span[0]
+            new_pos = torch.arange(start, c.span[1], device=dev)
+            old_pos = c.kv.positions[offset:].to(dev)
+            self.parts.append((c.kv, offset, new_pos, new_pos - old_pos))
+
+    def load_prefix(self) -> None:
+        for (start, end), kv in self.plan.prefix_blocks:
+            end = min(end, self.plan.prefix_hit)
+            if end > start:
+                self.cache.k[:, :, start:end] = kv.k[:, :, : end - start].to(self.cache.k.device)
+                self.cache.v[:, :, start:end] = kv.v[:, :, : end - start].to(self.cache.v.device)
+
+    def load_layer(self, layer: int) -> None:
+        for kv, offset, new_pos, delta in self.parts:
+            k = kv.k[layer, :, offset:].to(self.runner.device)
+            if bool((delta != 0).any()):
+                k = self.runner.rotary.rerotate(k, delta)
+            self.cache.k[layer][:, new_pos] = k
+            self.cache.v[layer][:, new_pos] = kv.v[layer, :, offset:].to(self.runner.device)
+
+
+@torch.inference_mode()
+def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capacity: int = 0) -> PrefillOutput:
+    if mode not in MODES:
+        raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
+    T = plan.n_tokens
+    dev = runner.device
+    cache = runner.new_cache(T + extra_capacity)
+    loader = ChunkLoader(runner, plan, cache)
+    loader.load_prefix()
+    P = plan.prefix_hit
+    reused = plan.reused_mask().to(dev)
+    stats = PrefillStats(prefix_hit_tokens=P, chunk_hits=plan.hits, chunk_misses=len(plan.misses))
+
+    checks = dict(zip(cfg.check_layers, cfg.ratios)) if mode == "blend" else {}
+    if all(r == 0 for r in checks.values()):
+        checks = {}  # selecting nothing needs no check: blend at ratio 0 is reuse
+    pos = torch.arange(T, device=dev)
+    if mode in ("full", "prefix") or not bool(reused.any()):
+        first_load, active = runner.n_layers, pos[P:]  # nothing reused: every row, every layer
+    elif checks:
+        first_load, active = min(checks), pos[P:]  # fresh K for all rows up to the first check
+    else:
+        first_load, active = 0, pos[P:][~reused[P:]]  # reuse: only the must-compute rows
+    rows = runner.rows(plan.token_ids.to(dev)[active], active)
+    n_reused = int(reused.sum())
+    computed = 0
+    for layer in range(runner.n_layers):
+        if layer >= first_load:
+            loader.load_layer(layer)
+        q, k, v = runner.qkv(layer, rows)
+        if layer in checks:
+            cand = reused[active]  # reused rows still active: the candidates
+            cand_idx = cand.nonzero().squeeze(1)
+            cand_pos = active[cand_idx]
+            dev_score = deviation(cfg.deviation, k[:, cand_idx], cache.k[layer][:, cand_pos],
+                                  v[:, cand_idx], cache.v[layer][:, cand_pos])
+            keep = ~cand
+            keep[cand_idx[top_tokens(dev_score, n_selected(checks[layer], n_reused))]] = True
+            if cfg.check_layer_kv == "fresh":
+                cache.write(layer, active, k, v)
+            active, q, k, v = active[keep], q[:, keep], k[:, keep], v[:, keep]
+            rows = rows.take(keep.nonzero().squeeze(1))
+            if cfg.check_layer_kv == "cached":
+                cache.write(layer, active, k, v)
+        else:
+            cache.write(layer, active, k, v)
+        computed += active.numel()
+        rows.h = runner.finish(layer, rows, q, cache)
+    cache.length = T
+
+    still_reused = reused.clone()
+    still_reused[active] = False
+    stats.reused_tokens = int(still_reused.sum())
+    stats.recomputed_tokens = int(active.numel())
+    stats.compute_frac = computed / (runner.n_layers * T)
+    stats.selected_positions = active[reused[active]].tolist()
+    return PrefillOutput(cache, runner.logits(rows.h[-1:])[0], stats)

@@ -1,0 +1,112 @@
+"""Planning one request: which rows come exact from the prefix cache, which chunks hit the chunk
+store, and which rows must be computed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..store.chunk_kv import ChunkKV
+from ..store.keys import chunk_key, prefix_block_keys, tokens_hash
+from .segment import Segments, Span
+
+CHUNK_CONTEXTS = ("bare", "bos", "prefix")
+
+
+@dataclass
+class ChunkRef:
+    span: Span
+    key: str
+    kv: ChunkKV | None  # None: a miss, computed in the request and stored after it
+
+
+@dataclass
+class Plan:
+    token_ids: torch.Tensor  # [T]
+    segments: Segments
+    prefix_hit: int = 0  # rows [0, prefix_hit) are exact KV from the prefix cache
+    prefix_blocks: list[tuple[Span, ChunkKV]] = field(default_factory=list)
+    chunks: list[ChunkRef] = field(default_factory=list)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.token_ids.shape[0])
+
+    def reused_mask(self) -> torch.Tensor:
+        """Rows whose KV can come from a cached chunk (not from the exact prefix)."""
+        mask = torch.zeros(self.n_tokens, dtype=torch.bool)
+        for c in self.chunks:
+            if c.kv is not None:
+                mask[c.span[0]:c.span[1]] = True
+        mask[: self.prefix_hit] = False
+        return mask
+
+    @property
+    def hits(self) -> int:
+        return sum(c.kv is not None for c in self.chunks)
+
+    @property
+    def misses(self) -> list[ChunkRef]:
+        return [c for c in self.chunks if c.kv is None]
+
+
+def block_bounds(seg: Segments, block: int, limit: int) -> list[Span]:
+    """Prefix-cache blocks covering [0, limit): cut at every segment edge and every `block`
+    tokens inside a segment, so the same segments always give the same blocks."""
+    edges = {0, limit, *[e for span in (seg.prefix, *seg.separators, *seg.chunks, seg.suffix) for e in span]}
+    cuts = sorted(e for e in edges if e <= limit)
+    bounds = []
+    for a, b in zip(cuts, cuts[1:]):
+        bounds += [(s, min(s + block, b)) for s in range(a, b, block)]
+    return bounds
+
+
+class KeyScheme:
+    """Everything that must agree for two requests to share KV, bound to one model."""
+
+    def __init__(self, namespace: str, fingerprint: str, dtype: torch.dtype, chunk_context: str,
+                 block: int, bos_id: int | None):
+        if chunk_context not in CHUNK_CONTEXTS:
+            raise ValueError(f"unknown chunk context {chunk_context!r}; choose one of {CHUNK_CONTEXTS}")
+        if chunk_context == "bos" and bos_id is None:
+            raise ValueError("chunk context 'bos' needs a tokenizer with a BOS token")
+        self.namespace, self.fingerprint = namespace, fingerprint
+        self.dtype = str(dtype).removeprefix("torch.")
+        self.chunk_context, self.block, self.bos_id = chunk_context, block, bos_id
+
+    def context_ids(self, token_ids: list[int], seg: Segments) -> list[int]:
+        """The left context a chunk is precomputed after (its KV is dropped)."""
+        if self.chunk_context == "bos":
+            return [self.bos_id]
+        if self.chunk_context == "prefix":
+            return token_ids[: seg.exact_end]
+        return []
+
+    def chunk_key(self, chunk_ids: list[int], context_ids: list[int]) -> str:
+        ctx_hash = tokens_hash(context_ids) if self.chunk_context == "prefix" else ""
+        return chunk_key(self.namespace, self.fingerprint, self.dtype, self.chunk_context, ctx_hash, chunk_ids)
+
+    def prefix_keys(self, token_ids: list[int], bounds: list[Span]) -> list[str]:
+        return prefix_block_keys(self.namespace, self.fingerprint, self.dtype, token_ids, bounds)
+
+
+def make_plan(token_ids: list[int], seg: Segments, keys: KeyScheme, store, use_prefix: bool,
+              use_chunks: bool) -> Plan:
+    plan = Plan(torch.tensor(token_ids, dtype=torch.long), seg)
+    if use_prefix:
+        bounds = block_bounds(seg, keys.block, len(token_ids))
+        for span, key in zip(bounds, keys.prefix_keys(token_ids, bounds)):
+            kv = store.get(key)
+            if kv is None:
+                break
+            plan.prefix_blocks.append((span, kv))
+            plan.prefix_hit = span[1]
+        # The last row is always computed: its logits give the first token.
+        plan.prefix_hit = min(plan.prefix_hit, len(token_ids) - 1)
+    if use_chunks:
+        context = keys.context_ids(token_ids, seg)
+        for span in seg.chunks:
+            key = keys.chunk_key(token_ids[span[0]:span[1]], context)
+            plan.chunks.append(ChunkRef(span, key, store.get(key)))  # a miss doesn't stop lookup
+    return plan

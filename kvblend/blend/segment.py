@@ -1,0 +1,79 @@
+"""Splitting a prompt into prefix, chunks and suffix by the separator's token ids.
+
+    prefix SEP chunk_1 SEP chunk_2 ... SEP chunk_n SEP suffix
+
+Text prompts are split on the separator *string* and each piece is tokenized on its own, so the
+separator always appears as its exact token ids (tokenizing the whole string could merge the
+separator's trailing space into the next word).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+Span = tuple[int, int]  # [start, end) in the prompt's token ids
+
+
+@dataclass(frozen=True)
+class Segments:
+    n_tokens: int
+    prefix: Span
+    chunks: list[Span]
+    separators: list[Span]
+    suffix: Span
+
+    @property
+    def exact_end(self) -> int:
+        """End of the prefix segment with the separator after it: the context chunks follow."""
+        return self.separators[0][1] if self.separators else self.n_tokens
+
+
+def separator_ids(tokenizer, separator: str) -> list[int]:
+    ids = tokenizer.encode(separator, add_special_tokens=False)
+    if not ids:
+        raise ValueError(f"separator {separator!r} tokenizes to no tokens")
+    return ids
+
+
+def find_separators(token_ids: Sequence[int], sep: Sequence[int]) -> list[Span]:
+    """Non-overlapping occurrences of `sep`, left to right."""
+    found, i, n, m = [], 0, len(token_ids), len(sep)
+    first = sep[0]
+    while i <= n - m:
+        if token_ids[i] == first and list(token_ids[i:i + m]) == list(sep):
+            found.append((i, i + m))
+            i += m
+        else:
+            i += 1
+    return found
+
+
+def segment(token_ids: Sequence[int], sep: Sequence[int]) -> Segments:
+    n = len(token_ids)
+    seps = find_separators(token_ids, sep)
+    if not seps:
+        return Segments(n, (0, n), [], [], (n, n))
+    prefix = (0, seps[0][0])
+    # Empty chunks (two separators in a row) carry nothing to reuse: skip them.
+    chunks = [(a[1], b[0]) for a, b in zip(seps, seps[1:]) if b[0] > a[1]]
+    return Segments(n, prefix, chunks, seps, (seps[-1][1], n))
+
+
+def join_segments(prefix: Sequence[int], chunks: Sequence[Sequence[int]], suffix: Sequence[int],
+                  sep: Sequence[int]) -> list[int]:
+    """prefix SEP c1 SEP c2 ... SEP cn SEP suffix, from token ids."""
+    ids = list(prefix)
+    for chunk in chunks:
+        ids += list(sep) + list(chunk)
+    return ids + list(sep) + list(suffix)
+
+
+def tokenize_prompt(tokenizer, text: str, separator: str) -> list[int]:
+    """Tokenize a text prompt piece by piece around each separator string."""
+    pieces = text.split(separator)
+    sep = separator_ids(tokenizer, separator)
+    ids = tokenizer.encode(pieces[0], add_special_tokens=True)
+    for piece in pieces[1:]:
+        ids += sep + tokenizer.encode(piece, add_special_tokens=False)
+    return ids

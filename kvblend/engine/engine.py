@@ -1,0 +1,216 @@
+"""The engine: one request from token ids to generated tokens.
+
+plan (prefix cache, chunk store) -> prefill in the request's mode -> decode -> store what missed.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+
+from ..blend.encode import encode_chunks
+from ..blend.fusor import MODES, BlendConfig, PrefillOutput, PrefillStats, prefill
+from ..blend.plan import KeyScheme, Plan, block_bounds, make_plan
+from ..blend.segment import Segments, segment, separator_ids
+from ..config import Settings
+from ..model.loader import LoadedModel
+from ..model.rotary import check_rerotation
+from ..model.runner import Runner
+from ..store.chunk_kv import ChunkKV
+from ..store.memory import MemoryStore
+from .sampler import Sampler, SamplingParams
+
+log = logging.getLogger(__name__)
+GIB = 1 << 30
+
+
+class RequestError(ValueError):
+    """A request that cannot be served as given (bad ids, too long, empty)."""
+
+
+@dataclass
+class RequestMetrics:
+    mode: str
+    prompt_tokens: int
+    ttft_s: float = 0.0
+    decode_tokens: int = 0
+    decode_tokens_per_s: float = 0.0
+    prefix_hit_tokens: int = 0
+    reused_tokens: int = 0
+    recomputed_tokens: int = 0
+    chunk_hits: int = 0
+    chunk_misses: int = 0
+    compute_frac: float = 1.0
+    selected_positions: list[int] = field(default_factory=list)
+
+    @classmethod
+    def from_prefill(cls, mode: str, n: int, stats: PrefillStats) -> "RequestMetrics":
+        return cls(mode=mode, prompt_tokens=n, prefix_hit_tokens=stats.prefix_hit_tokens,
+                   reused_tokens=stats.reused_tokens, recomputed_tokens=stats.recomputed_tokens,
+                   chunk_hits=stats.chunk_hits, chunk_misses=stats.chunk_misses,
+                   compute_frac=stats.compute_frac, selected_positions=stats.selected_positions)
+
+
+@dataclass
+class Completion:
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    metrics: RequestMetrics
+
+
+class Engine:
+    def __init__(self, model: LoadedModel, settings: Settings | None = None, sep_ids: list[int] | None = None):
+        self.settings = s = settings or Settings()
+        self.model = model
+        self.runner = Runner(model)
+        self.tokenizer = model.tokenizer
+        self.max_len = min(s.max_model_len or self.runner.max_len, self.runner.max_len)
+        if any(layer >= self.runner.n_layers for layer in s.check_layers):
+            raise ValueError(f"check layers {s.check_layers} out of range for a {self.runner.n_layers}-layer model")
+        self.blend_cfg = BlendConfig(list(s.check_layers), list(s.recompute_ratios), s.deviation, s.check_layer_kv)
+        bos = getattr(self.tokenizer, "bos_token_id", None) if self.tokenizer is not None else None
+        self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos)
+        self.store = MemoryStore(int(s.max_local_cpu_size * GIB))
+        # Models without a tokenizer (tests' tiny random models) name their separator ids.
+        self.sep_ids = sep_ids or separator_ids(self.tokenizer, s.separator)
+        self.eos_ids = _eos_ids(model)
+        self.rerotation_ok, why = check_rerotation(model.hf, self.max_len)
+        if not self.rerotation_ok:
+            warnings.warn(f"kvblend: cached KV cannot be moved between positions for this model ({why}); "
+                          "serving every request with full prefill", RuntimeWarning, stacklevel=2)
+
+    # ---- checks ------------------------------------------------------------------------------
+
+    def check_ids(self, token_ids: list[int], max_tokens: int = 0) -> None:
+        if not token_ids:
+            raise RequestError("the prompt is empty")
+        vocab = self.runner.cfg.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"invalid token ids {bad[:5]}: ids must be integers in [0, {vocab})")
+        if len(token_ids) + max_tokens > self.max_len:
+            raise RequestError(f"prompt of {len(token_ids)} tokens plus max_tokens {max_tokens} exceeds "
+                               f"the model's context of {self.max_len} tokens")
+
+    def effective_mode(self, mode: str | None) -> str:
+        mode = mode or self.settings.mode
+        if mode not in MODES:
+            raise RequestError(f"unknown mode {mode!r}; choose one of {', '.join(MODES)}")
+        if mode in ("reuse", "blend") and not self.rerotation_ok:
+            return "full"
+        return mode
+
+    # ---- prefill ---------------------------------------------------------------------------
+
+    def segments(self, token_ids: list[int]) -> Segments:
+        return segment(token_ids, self.sep_ids)
+
+    def plan(self, token_ids: list[int], mode: str) -> Plan:
+        return make_plan(token_ids, self.segments(token_ids), self.keys, self.store,
+                         use_prefix=mode != "full", use_chunks=mode in ("reuse", "blend"))
+
+    def prefill(self, token_ids: list[int], mode: str, extra_capacity: int = 0,
+                blend_cfg: BlendConfig | None = None) -> tuple[Plan, PrefillOutput]:
+        plan = self.plan(token_ids, mode)
+        return plan, prefill(self.runner, plan, mode, blend_cfg or self.blend_cfg, extra_capacity)
+
+    # ---- storing -------------------------------------------------------------------------
+
+    def store_prefix(self, token_ids: list[int], seg: Segments, k: torch.Tensor, v: torch.Tensor, end: int) -> int:
+        """Store exact KV (k, v: [L, Hkv, >=end, d]) of rows [0, end) as prefix-cache blocks."""
+        bounds = [b for b in block_bounds(seg, self.keys.block, end) if b[1] <= end]
+        stored = 0
+        for (a, b), key in zip(bounds, self.keys.prefix_keys(token_ids, bounds)):
+            if key not in self.store:
+                self.store.put(key, ChunkKV(k[:, :, a:b].clone(), v[:, :, a:b].clone(), torch.arange(a, b)))
+                stored += 1
+        return stored
+
+    def precompute(self, token_ids: list[int], seg: Segments | None = None) -> int:
+        """Compute and store the prefix segment and every chunk of a prompt that is not stored
+        yet (what `/v1/chunks` and `kvblend store` do ahead of requests). Returns chunks stored."""
+        seg = seg or self.segments(token_ids)
+        context = self.keys.context_ids(token_ids, seg)
+        todo = {}
+        for a, b in seg.chunks:
+            ids = token_ids[a:b]
+            key = self.keys.chunk_key(ids, context)
+            if key not in self.store and key not in todo:
+                todo[key] = ids
+        if seg.separators and seg.exact_end > 0:
+            exact = token_ids[: seg.exact_end]
+            cache = self.runner.new_cache(len(exact))
+            self.runner.forward(torch.tensor(exact), torch.arange(len(exact)), cache)
+            self.store_prefix(token_ids, seg, cache.k, cache.v, len(exact))
+        for key, kv in zip(todo, encode_chunks(self.runner, context, list(todo.values()))):
+            self.store.put(key, kv)
+        return len(todo)
+
+    def store_after(self, token_ids: list[int], plan: Plan, out: PrefillOutput, mode: str) -> None:
+        """Keep what this request computed exactly, and the chunks it missed (standalone)."""
+        if mode == "full":
+            return
+        reused = plan.reused_mask()
+        exact_end = int(reused.nonzero()[0]) if bool(reused.any()) else plan.n_tokens
+        self.store_prefix(token_ids, plan.segments, out.cache.k, out.cache.v, exact_end)
+        if plan.misses:
+            self.precompute(token_ids, plan.segments)
+
+    # ---- generation ------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def generate(self, token_ids: list[int], params: SamplingParams, mode: str | None = None,
+                 store: bool = True) -> Completion:
+        self.check_ids(token_ids, params.max_tokens)
+        mode = self.effective_mode(mode)
+        t0 = time.perf_counter()
+        plan, out = self.prefill(token_ids, mode, extra_capacity=params.max_tokens)
+        sampler = Sampler(params)
+        tokens = [sampler(out.logits)]
+        ttft = time.perf_counter() - t0
+        metrics = RequestMetrics.from_prefill(mode, len(token_ids), out.stats)
+        metrics.ttft_s = ttft
+        text, finish = self._decode(tokens, out, params, sampler, len(token_ids))
+        metrics.decode_tokens = len(tokens)
+        decode_s = time.perf_counter() - t0 - ttft
+        metrics.decode_tokens_per_s = (len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0
+        if store:
+            self.store_after(token_ids, plan, out, mode)
+        return Completion(tokens, text, finish, metrics)
+
+    def _decode(self, tokens: list[int], out: PrefillOutput, params: SamplingParams, sampler: Sampler,
+                pos: int) -> tuple[str, str]:
+        """Decode after the first token until EOS, a stop string or max_tokens; edits `tokens`."""
+        while True:
+            if not params.ignore_eos and tokens[-1] in self.eos_ids:
+                return self._text(tokens[:-1]), "stop"
+            text = self._text(tokens)
+            cut = min((text.find(s) for s in params.stop if s in text), default=-1)
+            if cut >= 0:
+                return text[:cut], "stop"
+            if len(tokens) >= params.max_tokens:
+                return text, "length"
+            logits = self.runner.forward(torch.tensor(tokens[-1:]), torch.tensor([pos]), out.cache)
+            pos += 1
+            tokens.append(sampler(logits[0]))
+
+    def _text(self, tokens: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def _eos_ids(model: LoadedModel) -> set[int]:
+    ids = set()
+    for source in (getattr(model.hf, "generation_config", None), model.config, model.tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
