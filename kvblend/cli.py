@@ -1,0 +1,164 @@
+"""The `kvblend` command: demo, generate, eval."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Flags that map onto Settings; unset flags leave env / YAML values alone."""
+    p.add_argument("--config", help="YAML settings file")
+    p.add_argument("--model", help="model name, HF folder or .gguf file (default smollm2-135m-instruct)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="auto, cpu or cuda")
+    p.add_argument("--mode", choices=["full", "prefix", "reuse", "blend"])
+    p.add_argument("--check-layers", help="e.g. 1 or 1,4")
+    p.add_argument("--recompute-ratios", help="e.g. 0.15 or 0.3,0.15")
+    p.add_argument("--deviation", choices=["k", "v", "kv"])
+    p.add_argument("--check-layer-kv", choices=["fresh", "cached"])
+    p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
+    p.add_argument("--separator")
+
+
+def _settings(args):
+    from .config import load_settings
+
+    return load_settings(args.config, model=args.model, dtype=args.dtype, device=args.device, mode=args.mode,
+                         check_layers=args.check_layers, recompute_ratios=args.recompute_ratios,
+                         deviation=args.deviation, check_layer_kv=args.check_layer_kv,
+                         chunk_context=args.chunk_context, separator=args.separator)
+
+
+def _llm(args):
+    from .api import LLM
+
+    return LLM(settings=_settings(args))
+
+
+def cmd_generate(args) -> int:
+    from .api import SamplingParams
+
+    llm = _llm(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                            top_p=args.top_p, seed=args.seed, stop=args.stop or [])
+    if args.document:
+        out = llm.generate(args.prompt, params, documents=args.document)[0]
+    elif args.chat:
+        out = llm.chat([{"role": "user", "content": args.prompt}], params)
+    else:
+        out = llm.generate(args.prompt, params)[0]
+    print(out.text)
+    m = out.metrics
+    print(f"[{m.mode}] prompt {m.prompt_tokens} tok, TTFT {m.ttft_s * 1000:.0f} ms, reused {m.reused_tokens}, "
+          f"recomputed {m.recomputed_tokens}, decode {m.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .api import SamplingParams
+
+    console = Console()
+    data = json.loads(resources.files("kvblend.demo").joinpath("passages.json").read_text())
+    console.print("[bold]kvblend demo[/]: loading the model ...")
+    llm = _llm(args)
+    passages = data["passages"]
+    stored = llm.store_documents(passages)
+    console.print(f"stored KV of {stored} passages (chunk context: {llm.settings.chunk_context})\n")
+    params = SamplingParams(max_tokens=args.max_tokens)
+    table = Table(title="full prefill vs blend (same prompt)", show_lines=True)
+    for col in ("question / chunk order", "mode", "answer", "TTFT ms", "recomputed / prompt tokens"):
+        table.add_column(col)
+    for q in data["questions"]:
+        docs = [passages[i] for i in q["passages"]]
+        for mode in ("full", "blend"):
+            out = llm.generate(q["question"], params, documents=docs, mode=mode)[0]
+            m = out.metrics
+            label = f"{q['question']}\nchunks {q['passages']}" if mode == "full" else ""
+            table.add_row(label, mode, out.text.strip(), f"{m.ttft_s * 1000:.0f}",
+                          f"{m.recomputed_tokens} / {m.prompt_tokens}")
+    console.print(table)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from .engine.engine import Engine
+    from .eval.datasets import load_dataset
+    from .eval.harness import run_eval
+    from .eval.report import format_table, write_report
+    from .model.loader import load_model
+
+    settings = _settings(args)
+    records = load_dataset(args.data, limit=args.limit, nq_k=args.nq_k, nq_gold_pos=args.nq_gold_pos)
+    loaded = load_model(settings.model, settings.dtype, settings.device)
+    engine = Engine(loaded, settings)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
+    results = run_eval(engine, records, modes, ratios, answer_tokens=args.answer_tokens,
+                       tf_positions=args.tf_positions)
+    results["meta"]["dataset"] = str(args.data)
+    paths = write_report(results, Path(args.out))
+    print(format_table(results["rows"]))
+    print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvblend", description="CacheBlend RAG serving engine")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="store passages, ask questions, compare full and blend")
+    _add_engine_flags(demo)
+    demo.add_argument("--max-tokens", type=int, default=32)
+    demo.set_defaults(func=cmd_demo)
+
+    gen = sub.add_parser("generate", help="generate for one prompt")
+    _add_engine_flags(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--document", action="append", help="a retrieved document (repeat); the prompt is the question")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int)
+    gen.add_argument("--stop", action="append")
+    gen.set_defaults(func=cmd_generate)
+
+    ev = sub.add_parser("eval", help="modes side by side on a RAG dataset, against full prefill")
+    _add_engine_flags(ev)
+    ev.add_argument("--data", required=True, help="CacheBlend .json, LongBench .jsonl or NQ-open .jsonl(.gz)")
+    ev.add_argument("--limit", type=int)
+    ev.add_argument("--modes", default="reuse,blend", help="besides full: prefix, reuse, blend")
+    ev.add_argument("--ratios", default="0,0.05,0.15,0.3,1.0", help="blend recompute ratios to sweep")
+    ev.add_argument("--answer-tokens", type=int, default=32)
+    ev.add_argument("--tf-positions", type=int, default=16)
+    ev.add_argument("--nq-k", type=int, default=10)
+    ev.add_argument("--nq-gold-pos", type=int, default=0)
+    ev.add_argument("--out", default="results/eval")
+    ev.set_defaults(func=cmd_eval)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from pydantic import ValidationError
+
+    from .engine.engine import RequestError
+    from .model.loader import ModelLoadError
+
+    try:
+        return args.func(args)
+    except (ModelLoadError, RequestError, ValidationError, FileNotFoundError, ValueError) as e:
+        print(f"kvblend: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

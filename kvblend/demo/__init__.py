@@ -1,0 +1,1 @@
+"""Demo content: a few short fictional passages and questions for `kvblend demo`."""

@@ -1,0 +1,1 @@
+"""Evaluation: RAG datasets, quality metrics and reports."""

@@ -1,0 +1,139 @@
+"""`kvblend eval`: the modes side by side on a RAG dataset, measured against full prefill.
+
+For each prompt: store its prefix and chunks (untimed: the steady state of a RAG server), run full
+prefill and decode its greedy answer A, then for every mode feed A teacher-forced after the mode's
+prefill KV and compare next-token distributions with full's (DESIGN section 5), and let the mode
+answer on its own. Prompts are token ids end to end; nothing is decoded and re-tokenized.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from ..blend.fusor import BlendConfig, PrefillOutput
+from ..blend.segment import join_segments
+from ..engine.engine import Engine
+from .datasets import RagRecord
+from .metrics import gold_score, kl_divergence, rouge_l
+
+
+@dataclass(frozen=True)
+class Variant:
+    mode: str
+    ratio: float | None = None
+
+    @property
+    def label(self) -> str:
+        return self.mode if self.ratio is None else f"{self.mode} {self.ratio:g}"
+
+
+def variants(modes: list[str], ratios: list[float]) -> list[Variant]:
+    out = [Variant("full")]
+    for mode in modes:
+        if mode == "blend":
+            out += [Variant("blend", r) for r in ratios]
+        elif mode != "full":
+            out.append(Variant(mode))
+    return out
+
+
+def prompt_ids(engine: Engine, record: RagRecord) -> list[int]:
+    """System prompt with the instruction, the passages as chunks, then the question."""
+    tok = engine.tokenizer
+    mark = "\x00DOCS\x00"
+    question = f"Question: {record.question}" if record.question else ""
+    messages = [{"role": "system", "content": record.instruction}, {"role": "user", "content": mark + question}]
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = f"{record.instruction}\n{mark}{question}\nAnswer:"
+    head, tail = text.split(mark)
+    docs = [tok.encode(p, add_special_tokens=False) for p in record.passages]
+    return join_segments(tok.encode(head, add_special_tokens=False), docs,
+                         tok.encode(tail, add_special_tokens=False), engine.sep_ids)
+
+
+@torch.inference_mode()
+def greedy(engine: Engine, out: PrefillOutput, n_prompt: int, max_tokens: int) -> list[int]:
+    tokens = [int(out.logits.argmax())]
+    while len(tokens) < max_tokens and tokens[-1] not in engine.eos_ids:
+        pos = n_prompt + len(tokens) - 1
+        logits = engine.runner.forward(torch.tensor(tokens[-1:]), torch.tensor([pos]), out.cache)
+        tokens.append(int(logits[0].argmax()))
+    return tokens
+
+
+@torch.inference_mode()
+def teacher_forced(engine: Engine, out: PrefillOutput, n_prompt: int, answer: list[int], n: int) -> torch.Tensor:
+    """Next-token logits at the first n answer positions: the prefill's last row, then the answer
+    tokens as more suffix rows computed fresh against the mode's KV."""
+    n = min(n, len(answer))
+    rows = [out.logits[None]]
+    if n > 1:
+        fed = torch.tensor(answer[: n - 1])
+        rows.append(engine.runner.forward(fed, torch.arange(n_prompt, n_prompt + n - 1), out.cache,
+                                          logit_rows=slice(None)))
+    return torch.cat(rows)
+
+
+def run_eval(engine: Engine, records: list[RagRecord], modes: list[str], ratios: list[float],
+             answer_tokens: int = 32, tf_positions: int = 16, progress: bool = True) -> dict:
+    vs = variants(modes, ratios)
+    per: dict[Variant, list[dict]] = {v: [] for v in vs}
+    lengths = []
+    for record in tqdm(records, desc="eval", disable=not progress):
+        ids = prompt_ids(engine, record)
+        engine.check_ids(ids, answer_tokens)
+        lengths.append(len(ids))
+        engine.precompute(ids)
+        ref_logits, ref_answer = None, None
+        for v in vs:
+            cfg = BlendConfig(engine.blend_cfg.check_layers, [v.ratio or 0.0] * len(engine.blend_cfg.check_layers),
+                              engine.blend_cfg.deviation, engine.blend_cfg.check_layer_kv)
+            t0 = time.perf_counter()
+            _, out = engine.prefill(ids, v.mode, extra_capacity=answer_tokens, blend_cfg=cfg)
+            int(out.logits.argmax())
+            ttft = time.perf_counter() - t0
+            if v.mode == "full":
+                ref_answer = greedy(engine, out, len(ids), answer_tokens)
+                ref_logits = teacher_forced(engine, out, len(ids), ref_answer, tf_positions)
+                answer = ref_answer
+                logits = ref_logits
+            else:
+                logits = teacher_forced(engine, out, len(ids), ref_answer, tf_positions)
+                answer = greedy(engine, out, len(ids), answer_tokens)
+            kl = kl_divergence(ref_logits, logits)
+            text = engine.tokenizer.decode(answer, skip_special_tokens=True)
+            ref_text = engine.tokenizer.decode(ref_answer, skip_special_tokens=True)
+            per[v].append(dict(
+                kl_answer=float(kl.mean()), kl_first=float(kl[0]),
+                top1_agree=float((logits.argmax(-1) == ref_logits.argmax(-1)).float().mean()),
+                rougeL_vs_full=rouge_l(text, ref_text), match_full=float(answer == ref_answer),
+                gold=gold_score(text, record.answers, record.metric), ttft_s=ttft,
+                recompute_frac=out.stats.compute_frac, answer=text))
+    return summarize(engine, lengths, vs, per)
+
+
+def summarize(engine: Engine, lengths: list[int], vs: list[Variant], per: dict) -> dict:
+    full_ttft = statistics.mean(r["ttft_s"] for r in per[vs[0]])
+    rows = []
+    for v in vs:
+        rs = per[v]
+        mean = lambda key: statistics.mean(r[key] for r in rs)  # noqa: E731
+        ttft = [r["ttft_s"] for r in rs]
+        rows.append(dict(mode=v.mode, ratio=v.ratio, n=len(rs), kl_answer=mean("kl_answer"),
+                         top1_agree=mean("top1_agree"), kl_first=mean("kl_first"),
+                         rougeL_vs_full=mean("rougeL_vs_full"), match_full=mean("match_full"),
+                         gold=mean("gold"), ttft_mean_s=statistics.mean(ttft), ttft_median_s=statistics.median(ttft),
+                         ttft_ratio_vs_full=statistics.mean(ttft) / full_ttft, recompute_frac=mean("recompute_frac")))
+    s = engine.settings
+    meta = dict(n_prompts=len(lengths), model=s.model, dtype=str(engine.model.dtype).removeprefix("torch."),
+                device=str(engine.model.device), chunk_context=s.chunk_context, deviation=s.deviation,
+                check_layers=list(engine.blend_cfg.check_layers), check_layer_kv=s.check_layer_kv,
+                mean_prompt_tokens=round(statistics.mean(lengths)), threads=torch.get_num_threads())
+    return {"meta": meta, "rows": rows, "answers": {v.label: [r["answer"] for r in per[v]] for v in vs}}
