@@ -45,7 +45,8 @@ class PrefillStats:
     chunk_hits: int = 0
     chunk_misses: int = 0
     compute_frac: float = 1.0  # computed (layer, row) pairs / a full prefill's
-    selected_positions: list[int] = field(default_factory=list)
+    selected_positions: list[int] = field(default_factory=list)  # reused rows chosen for recompute
+    recomputed_positions: list[int] = field(default_factory=list)  # every row computed to the end
 
 
 @dataclass
@@ -146,4 +147,5 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     stats.recomputed_tokens = int(active.numel())
     stats.compute_frac = computed / (runner.n_layers * T)
     stats.selected_positions = active[reused[active]].tolist()
+    stats.recomputed_positions = active.tolist()
     return PrefillOutput(cache, runner.logits(rows.h[-1:])[0], stats)

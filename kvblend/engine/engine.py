@@ -73,7 +73,8 @@ class Engine:
         if any(layer >= self.runner.n_layers for layer in s.check_layers):
             raise ValueError(f"check layers {s.check_layers} out of range for a {self.runner.n_layers}-layer model")
         self.blend_cfg = BlendConfig(list(s.check_layers), list(s.recompute_ratios), s.deviation, s.check_layer_kv)
-        bos = getattr(self.tokenizer, "bos_token_id", None) if self.tokenizer is not None else None
+        bos = getattr(self.tokenizer, "bos_token_id", None)
+        bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
         self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos)
         self.store = MemoryStore(int(s.max_local_cpu_size * GIB))
         # Models without a tokenizer (tests' tiny random models) name their separator ids.

@@ -23,9 +23,11 @@ class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device):
         shape = (n_layers, n_kv_heads, capacity, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # Uninitialised: every slot is written before any query can see it (slot == position).
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.length = 0  # positions [0, length) hold valid KV
+        self.first = 0  # lowest valid position: a sequence may start at an offset (tests, probes)
 
     @property
     def capacity(self) -> int:
@@ -36,7 +38,7 @@ class KVCache:
         if capacity <= self.capacity:
             return
         grow = capacity - self.capacity
-        pad = lambda t: torch.cat([t, t.new_zeros(*t.shape[:2], grow, t.shape[3])], dim=2)  # noqa: E731
+        pad = lambda t: torch.cat([t, t.new_empty(*t.shape[:2], grow, t.shape[3])], dim=2)  # noqa: E731
         self.k, self.v = pad(self.k), pad(self.v)
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -108,7 +110,9 @@ class Runner:
     def finish(self, layer: int, rows: Rows, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Attention of q over the cache, o_proj, residual, MLP: the rows' next hidden states."""
         attn = self.layers[layer].self_attn
-        o = attend(q, cache.k[layer], cache.v[layer], rows.pos, attn.scaling, self.windows[layer])
+        first = cache.first
+        o = attend(q, cache.k[layer][:, first:], cache.v[layer][:, first:], rows.pos - first, attn.scaling,
+                   self.windows[layer])
         h = rows.h + attn.o_proj(o.transpose(0, 1).reshape(rows.h.shape[0], -1))
         mlp_in = self.layers[layer].post_attention_layernorm(h)
         return h + self.layers[layer].mlp(mlp_in)
@@ -129,6 +133,8 @@ class Runner:
         token_ids = token_ids.to(self.device)
         positions = positions.to(self.device)
         cache.reserve(int(positions.max()) + 1)
+        if cache.length == 0:
+            cache.first = int(positions.min())
         rows = self.rows(token_ids, positions)
         for layer in range(self.n_layers):
             q, k, v = self.qkv(layer, rows)
@@ -141,12 +147,13 @@ class Runner:
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
-           window: int | None = None, groups: int = 4) -> torch.Tensor:
+           window: int | None = None, max_groups: int = 16) -> torch.Tensor:
     """Attention of queries q [H, n, d] at positions q_pos over keys/values [Hkv, T, d] (slot ==
     position): query i sees keys at positions <= q_pos[i] (and within the sliding window).
 
-    Queries are split into position-ordered groups, each over keys up to its last position only,
-    so scattered recomputed rows don't pay for keys no row of the group can see.
+    Queries are split into up to `max_groups` position-ordered groups (of 32 rows or more), each
+    over keys up to its last position only, so masked rows pay for little more than the causal
+    triangle (16 groups: 53% of the square instead of 100%).
     """
     n = q.shape[1]
     last = int(q_pos[-1])
@@ -159,9 +166,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tenso
         end = last + 1
         return F.scaled_dot_product_attention(q[None], k[None, :, :end], v[None, :, :end],
                                               scale=scale, enable_gqa=True)[0]
-    if n <= groups * 16:
-        groups = 1
     out = []
+    groups = max(1, min(max_groups, n // 32))
     for idx in torch.tensor_split(torch.arange(n, device=q.device), groups):
         if idx.numel() == 0:
             continue

@@ -1,0 +1,182 @@
+"""CacheBlend invariants on tiny random models of every family (DESIGN section 1)."""
+
+import warnings
+
+import pytest
+import torch
+from tiny_models import FAMILIES, tiny_model
+
+from kvblend.blend.fusor import BlendConfig
+from kvblend.blend.segment import join_segments
+from kvblend.config import Settings
+from kvblend.engine.engine import Engine
+from kvblend.engine.sampler import SamplingParams
+
+SEP = [7, 7, 3]
+
+
+def make_engine(family="llama", seed=0, **settings):
+    m = tiny_model(family, seed=seed)
+    return Engine(m, Settings(**{"check_layers": [1], "recompute_ratios": [0.15], **settings}), sep_ids=SEP)
+
+
+def chunks(n, length=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(10, 300, (length,), generator=g).tolist() for _ in range(n)]
+
+
+PREFIX = [1, 20, 21, 22, 23, 24]
+SUFFIX = [30, 31, 32, 33, 34]
+
+
+def prompt(cs):
+    return join_segments(PREFIX, cs, SUFFIX, SEP)
+
+
+def prefill(engine, ids, mode, ratios=None, **cfg):
+    bc = engine.blend_cfg
+    if ratios is not None or cfg:
+        bc = BlendConfig(cfg.get("check_layers", bc.check_layers), ratios or bc.ratios,
+                         cfg.get("deviation", bc.deviation), cfg.get("check_layer_kv", bc.check_layer_kv))
+    return engine.prefill(ids, mode, blend_cfg=bc)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("context", ["bare", "prefix"])
+def test_blend_at_ratio_one_equals_full_prefill(family, context):
+    engine = make_engine(family, chunk_context=context)
+    cs = chunks(4)
+    engine.precompute(prompt(cs))
+    ids = prompt([cs[2], cs[0], cs[3], cs[1]])  # chunks moved to new positions
+    _, full = prefill(engine, ids, "full")
+    plan, blend = prefill(engine, ids, "blend", ratios=[1.0])
+    assert plan.hits == 4 and blend.stats.reused_tokens == 0
+    torch.testing.assert_close(blend.logits, full.logits, atol=1e-4, rtol=1e-4)
+    T = len(ids)
+    torch.testing.assert_close(blend.cache.k[:, :, :T], full.cache.k[:, :, :T], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(blend.cache.v[:, :, :T], full.cache.v[:, :, :T], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_blend_at_ratio_zero_equals_reuse_and_differs_from_full(family):
+    engine = make_engine(family)
+    cs = chunks(3, seed=1)
+    engine.precompute(prompt(cs))
+    ids = prompt(cs[::-1])
+    _, reuse = prefill(engine, ids, "reuse")
+    _, blend0 = prefill(engine, ids, "blend", ratios=[0.0])
+    _, full = prefill(engine, ids, "full")
+    assert torch.equal(reuse.logits, blend0.logits)
+    assert torch.equal(reuse.cache.k, blend0.cache.k)
+    assert not torch.allclose(reuse.logits, full.logits, atol=1e-3)  # reuse really is approximate
+
+
+@pytest.mark.parametrize("context", ["bare", "bos", "prefix"])
+def test_reordered_prompt_hits_every_chunk(context):
+    engine = make_engine(chunk_context=context)
+    cs = chunks(4, seed=2)
+    engine.precompute(prompt(cs))
+    plan, out = prefill(engine, prompt([cs[3], cs[1], cs[0], cs[2]]), "blend")
+    assert plan.hits == 4 and not plan.misses
+    assert out.stats.prefix_hit_tokens == len(PREFIX) + len(SEP)  # the system prompt came exact
+
+
+def test_prefix_context_key_depends_on_the_prefix():
+    engine = make_engine(chunk_context="prefix")
+    cs = chunks(2, seed=3)
+    engine.precompute(prompt(cs))
+    other = join_segments([1, 99, 98], cs, SUFFIX, SEP)
+    plan = engine.plan(other, "blend")
+    assert plan.hits == 0 and len(plan.misses) == 2
+
+
+def test_miss_in_the_middle_is_computed_and_later_chunks_still_reused():
+    engine = make_engine()
+    a, b, c = chunks(3, seed=4)
+    engine.precompute(prompt([a, c]))  # b never seen
+    ids = prompt([a, b, c])
+    plan, out = prefill(engine, ids, "blend", ratios=[0.0])
+    assert [ch.kv is not None for ch in plan.chunks] == [True, False, True]
+    b_span, c_span = plan.chunks[1].span, plan.chunks[2].span
+    recomputed = set(out.stats.recomputed_positions)
+    assert set(range(*b_span)) <= recomputed  # the miss is computed in the request
+    assert not set(range(*c_span)) & recomputed  # the chunk after it is reused
+    assert out.stats.reused_tokens == len(a) + len(c)
+    # Generating stores the missed chunk, so the next request hits all three.
+    engine.generate(ids, SamplingParams(max_tokens=2))
+    assert engine.plan(ids, "blend").hits == 3
+
+
+@pytest.mark.parametrize("ratio", [0.0, 0.1, 0.5])
+def test_separators_and_suffix_always_recomputed(ratio):
+    engine = make_engine()
+    cs = chunks(3, seed=5)
+    engine.precompute(prompt(cs))
+    ids = prompt(cs)
+    plan, out = prefill(engine, ids, "blend", ratios=[ratio])
+    recomputed = set(out.stats.recomputed_positions)
+    seg = plan.segments
+    for span in seg.separators[1:] + [seg.suffix]:  # the first separator is in the exact prefix
+        assert set(range(*span)) <= recomputed
+    assert set(out.stats.selected_positions) <= set(plan.reused_mask().nonzero().squeeze(1).tolist())
+
+
+@pytest.mark.parametrize("check_layers,ratios", [([1], [0.3]), ([1], [0.05]), ([0, 2], [0.5, 0.2]),
+                                                 ([1, 2, 3], [0.6, 0.3, 0.1])])
+@pytest.mark.parametrize("deviation", ["k", "v", "kv"])
+def test_number_of_selected_tokens_follows_ratios(check_layers, ratios, deviation):
+    engine = make_engine()
+    cs = chunks(4, length=25, seed=6)
+    engine.precompute(prompt(cs))
+    ids = prompt(cs[::-1])
+    plan, out = prefill(engine, ids, "blend", ratios=ratios, check_layers=check_layers, deviation=deviation)
+    n_reused = int(plan.reused_mask().sum())
+    assert len(out.stats.selected_positions) == round(ratios[-1] * n_reused)
+    must = plan.n_tokens - plan.prefix_hit - n_reused
+    assert out.stats.recomputed_tokens == must + round(ratios[-1] * n_reused)
+    # Gradual filtering: rows computed per layer shrink at each check layer as the ratios say.
+    per_layer = []
+    active = plan.n_tokens - plan.prefix_hit
+    for layer in range(engine.runner.n_layers):
+        if layer in check_layers:
+            active = must + round(ratios[check_layers.index(layer)] * n_reused)
+        per_layer.append(active)
+    assert out.stats.compute_frac == pytest.approx(sum(per_layer) / (engine.runner.n_layers * plan.n_tokens))
+
+
+def test_selection_picks_the_most_deviating_tokens():
+    """Selected rows are the top deviations: raising a chunk's deviation gets it selected."""
+    engine = make_engine(deviation="v")
+    cs = chunks(3, seed=7)
+    engine.precompute(prompt(cs))
+    ids = prompt(cs)
+    key = engine.keys.chunk_key(cs[1], [])
+    kv = engine.store.get(key)
+    v = kv.v.clone()
+    v[1] += 50.0  # layer 1 (the check layer) V of chunk 1 far from fresh: maximal deviation
+    kv.v = v
+    plan, out = prefill(engine, ids, "blend", ratios=[len(cs[1]) / (3 * 24)])
+    assert set(out.stats.selected_positions) == set(range(*plan.chunks[1].span))
+
+
+def test_failed_rerotation_gate_serves_full_with_a_warning():
+    m = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    with pytest.warns(RuntimeWarning, match="full prefill"):
+        engine = Engine(m, Settings(), sep_ids=SEP)
+    assert engine.effective_mode("blend") == "full" and engine.effective_mode("reuse") == "full"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert make_engine().effective_mode("blend") == "blend"
+
+
+def test_prefix_mode_reuses_exact_prefix_and_matches_full():
+    engine = make_engine()
+    cs = chunks(3, seed=8)
+    ids = prompt(cs)
+    engine.generate(ids, SamplingParams(max_tokens=1), mode="prefix")  # stores every exact block
+    plan, out = prefill(engine, ids, "prefix")
+    assert plan.prefix_hit == len(ids) - 1
+    _, full = prefill(engine, ids, "full")
+    torch.testing.assert_close(out.logits, full.logits, atol=1e-4, rtol=1e-4)
+    reordered = prompt([cs[1], cs[0], cs[2]])
+    assert engine.plan(reordered, "prefix").prefix_hit == len(PREFIX) + len(SEP)  # order breaks the prefix
