@@ -85,3 +85,9 @@ def test_different_seeds_different_draws() -> None:
     a = sample(SamplingParams(temperature=1.0, seed=1), flat, 20)
     b = sample(SamplingParams(temperature=1.0, seed=2), flat, 20)
     assert a != b
+
+
+def test_top_k_with_tied_logits_keeps_exactly_k_tokens():
+    s = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=0))
+    seen = {s(torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0])) for _ in range(200)}
+    assert len(seen) == 2 and 0 in seen

