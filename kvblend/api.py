@@ -22,7 +22,6 @@ from .model.loader import load_model
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "RequestError"]
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer the question using the passages."
-_DOCS_MARK = "\x00KVBLEND_DOCUMENTS\x00"
 
 
 @dataclass
@@ -55,24 +54,10 @@ class LLM:
         return tokenize_prompt(self.tokenizer, prompt, self.settings.separator)
 
     def rag_prompt_ids(self, question: str, documents: Sequence[str], system: str | None = None) -> list[int]:
-        """prefix SEP doc_1 SEP ... SEP doc_n SEP question, rendered through the chat template
-        when the tokenizer has one. Each document is tokenized alone so its ids, and so its
-        cache key, are the same in every prompt."""
-        from .blend.segment import join_segments
+        """prefix SEP doc_1 SEP ... SEP doc_n SEP question (see blend.segment.rag_prompt_ids)."""
+        from .blend.segment import rag_prompt_ids
 
-        tok = self.tokenizer
-        if getattr(tok, "chat_template", None):
-            messages = [{"role": "system", "content": system or DEFAULT_SYSTEM},
-                        {"role": "user", "content": _DOCS_MARK + question}]
-            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-            head, tail = text.split(_DOCS_MARK)
-            prefix = tok.encode(head, add_special_tokens=False)
-            suffix = tok.encode(tail, add_special_tokens=False)
-        else:
-            prefix = tok.encode(system or DEFAULT_SYSTEM, add_special_tokens=True)
-            suffix = tok.encode("\n\nQuestion: " + question + "\nAnswer:", add_special_tokens=False)
-        docs = [tok.encode(d, add_special_tokens=False) for d in documents]
-        return join_segments(prefix, docs, suffix, self.engine.sep_ids)
+        return rag_prompt_ids(self.tokenizer, self.engine.sep_ids, system or DEFAULT_SYSTEM, question, documents)
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

@@ -77,3 +77,23 @@ def tokenize_prompt(tokenizer, text: str, separator: str) -> list[int]:
     for piece in pieces[1:]:
         ids += sep + tokenizer.encode(piece, add_special_tokens=False)
     return ids
+
+
+_DOCS_MARK = "\x00KVBLEND_DOCUMENTS\x00"
+
+
+def rag_prompt_ids(tokenizer, sep: Sequence[int], system: str, question: str,
+                   documents: Sequence[str]) -> list[int]:
+    """prefix SEP doc_1 SEP ... SEP doc_n SEP question, through the chat template when the
+    tokenizer has one (system message, then the documents and the question as the user turn).
+    Each document is tokenized alone, so its ids, and so its cache key, are the same in every
+    prompt."""
+    if getattr(tokenizer, "chat_template", None):
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": _DOCS_MARK + question}]
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    else:
+        text = f"{system}\n{_DOCS_MARK}{question}\nAnswer:"
+    head, tail = text.split(_DOCS_MARK)
+    docs = [tokenizer.encode(d, add_special_tokens=False) for d in documents]
+    return join_segments(tokenizer.encode(head, add_special_tokens=False), docs,
+                         tokenizer.encode(tail, add_special_tokens=False), sep)

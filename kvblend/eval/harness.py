@@ -16,7 +16,7 @@ import torch
 from tqdm import tqdm
 
 from ..blend.fusor import BlendConfig, PrefillOutput
-from ..blend.segment import join_segments
+from ..blend.segment import rag_prompt_ids
 from ..engine.engine import Engine
 from .datasets import RagRecord
 from .metrics import gold_score, kl_divergence, rouge_l
@@ -44,18 +44,8 @@ def variants(modes: list[str], ratios: list[float]) -> list[Variant]:
 
 def prompt_ids(engine: Engine, record: RagRecord) -> list[int]:
     """System prompt with the instruction, the passages as chunks, then the question."""
-    tok = engine.tokenizer
-    mark = "\x00DOCS\x00"
     question = f"Question: {record.question}" if record.question else ""
-    messages = [{"role": "system", "content": record.instruction}, {"role": "user", "content": mark + question}]
-    if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    else:
-        text = f"{record.instruction}\n{mark}{question}\nAnswer:"
-    head, tail = text.split(mark)
-    docs = [tok.encode(p, add_special_tokens=False) for p in record.passages]
-    return join_segments(tok.encode(head, add_special_tokens=False), docs,
-                         tok.encode(tail, add_special_tokens=False), engine.sep_ids)
+    return rag_prompt_ids(engine.tokenizer, engine.sep_ids, record.instruction, question, record.passages)
 
 
 @torch.inference_mode()

@@ -1,0 +1,48 @@
+"""The `kvblend` command on the default model: eval, demo, generate, and its errors."""
+
+import json
+from importlib import resources
+
+from kvblend.cli import main
+
+
+def _tiny_dataset(path):
+    demo = json.loads(resources.files("kvblend.demo").joinpath("passages.json").read_text())
+    records = [{"question": q["question"], "answers": [q["answer"]],
+                "ctxs": [{"title": "", "text": demo["passages"][i]} for i in q["passages"]]}
+               for q in demo["questions"][:2]]
+    path.write_text(json.dumps(records))
+
+
+def test_eval_writes_reports_and_keeps_the_invariants(tmp_path, capsys):
+    data = tmp_path / "tiny.json"
+    _tiny_dataset(data)
+    out = tmp_path / "out"
+    assert main(["eval", "--data", str(data), "--modes", "prefix,reuse,blend", "--ratios", "0,1.0",
+                 "--answer-tokens", "6", "--tf-positions", "4", "--dtype", "float32", "--out", str(out)]) == 0
+    results = json.loads((out / "results.json").read_text())
+    rows = {(r["mode"], r["ratio"]): r for r in results["rows"]}
+    assert set(rows) == {("full", None), ("prefix", None), ("reuse", None), ("blend", 0.0), ("blend", 1.0)}
+    assert rows[("full", None)]["kl_answer"] == 0 and rows[("full", None)]["match_full"] == 1
+    assert rows[("blend", 1.0)]["kl_answer"] < 1e-4 and rows[("blend", 1.0)]["match_full"] == 1
+    assert rows[("prefix", None)]["kl_answer"] < 1e-4  # exact reuse only
+    for key in ("kl_answer", "top1_agree", "recompute_frac"):  # ratio 0 is reuse
+        assert rows[("blend", 0.0)][key] == rows[("reuse", None)][key]
+    assert rows[("reuse", None)]["recompute_frac"] < 0.5 and rows[("full", None)]["recompute_frac"] == 1
+    assert (out / "report.md").is_file() and (out / "report.png").stat().st_size > 0
+    assert "blend" in capsys.readouterr().out
+
+
+def test_demo_runs(capsys):
+    assert main(["demo", "--max-tokens", "4", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "full" in out and "blend" in out and "stored KV of 6 passages" in out
+
+
+def test_generate_and_errors(capsys):
+    assert main(["generate", "--prompt", "The capital of France is", "--max-tokens", "3"]) == 0
+    assert capsys.readouterr().out.strip()
+    assert main(["generate", "--prompt", "hi", "--model", "no-such-model"]) == 2
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "hi", "--recompute-ratios", "-1"]) == 2
+    assert "recompute_ratios" in capsys.readouterr().err
