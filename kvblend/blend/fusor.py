@@ -62,7 +62,8 @@ class ChunkLoader:
     def __init__(self, runner: Runner, plan: Plan, cache: KVCache):
         self.runner, self.plan, self.cache = runner, plan, cache
         dev = runner.device
-        # Per hit chunk: the rows it supplies (>= prefix_hit) and the rotation each row needs.
+        # Per hit chunk: the rows [start, end) it supplies (>= prefix_hit) and, when it moved, the
+        # rotation that takes its K there (computed once, used at every layer).
         self.parts = []
         for c in plan.chunks:
             if c.kv is None:
@@ -71,9 +72,9 @@ class ChunkLoader:
             if start >= c.span[1]:
                 continue
             offset = start - c.span[0]
-            new_pos = torch.arange(start, c.span[1], device=dev)
-            old_pos = c.kv.positions[offset:].to(dev)
-            self.parts.append((c.kv, offset, new_pos, new_pos - old_pos))
+            delta = torch.arange(start, c.span[1]) - c.kv.positions[offset:]
+            table = runner.rotary.shift_table(delta, dev) if bool((delta != 0).any()) else None
+            self.parts.append((c.kv, offset, start, c.span[1], table))
 
     def load_prefix(self) -> None:
         for (start, end), kv in self.plan.prefix_blocks:
@@ -83,12 +84,12 @@ class ChunkLoader:
                 self.cache.v[:, :, start:end] = kv.v[:, :, : end - start].to(self.cache.v.device)
 
     def load_layer(self, layer: int) -> None:
-        for kv, offset, new_pos, delta in self.parts:
+        for kv, offset, start, end, table in self.parts:
             k = kv.k[layer, :, offset:].to(self.runner.device)
-            if bool((delta != 0).any()):
-                k = self.runner.rotary.rerotate(k, delta)
-            self.cache.k[layer][:, new_pos] = k
-            self.cache.v[layer][:, new_pos] = kv.v[layer, :, offset:].to(self.runner.device)
+            if table is not None:
+                k = self.runner.rotary.rerotate(k, table=table)
+            self.cache.k[layer, :, start:end] = k
+            self.cache.v[layer, :, start:end] = kv.v[layer, :, offset:]
 
 
 @torch.inference_mode()
@@ -149,3 +150,4 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     stats.selected_positions = active[reused[active]].tolist()
     stats.recomputed_positions = active.tolist()
     return PrefillOutput(cache, runner.logits(rows.h[-1:])[0], stats)
+

@@ -126,4 +126,7 @@ def summarize(engine: Engine, lengths: list[int], vs: list[Variant], per: dict) 
                 device=str(engine.model.device), chunk_context=s.chunk_context, deviation=s.deviation,
                 check_layers=list(engine.blend_cfg.check_layers), check_layer_kv=s.check_layer_kv,
                 mean_prompt_tokens=round(statistics.mean(lengths)), threads=torch.get_num_threads())
-    return {"meta": meta, "rows": rows, "answers": {v.label: [r["answer"] for r in per[v]] for v in vs}}
+    per_prompt = {v.label: [{k: r[k] for k in ("ttft_s", "kl_answer", "top1_agree", "recompute_frac")} for r in per[v]]
+                  for v in vs}
+    return {"meta": meta, "rows": rows, "answers": {v.label: [r["answer"] for r in per[v]] for v in vs},
+            "per_prompt": per_prompt}

@@ -37,13 +37,20 @@ class Rotary:
         cos, sin = self.module(dummy, positions[None])
         return cos[0], sin[0]
 
-    def rerotate(self, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """Rotate k [..., n, d] by delta [n] positions, in fp32; no attention scaling (already in k)."""
-        inv_freq = self.module.inv_freq.to(device=k.device, dtype=torch.float32)
-        freqs = delta.to(device=k.device, dtype=torch.float32)[:, None] * inv_freq[None]
+    def shift_table(self, delta: torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 cos, sin [n, d] of a rotation by delta [n] positions (no attention scaling: it is
+        already in cached K). Computed once per chunk and reused for every layer."""
+        inv_freq = self.module.inv_freq.to(device=device or delta.device, dtype=torch.float32)
+        freqs = delta.to(device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq[None]
         emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
+    def rerotate(self, k: torch.Tensor, delta: torch.Tensor | None = None,
+                 table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Rotate k [..., n, d] by delta [n] positions (or by a `shift_table`), in fp32."""
+        cos, sin = table if table is not None else self.shift_table(delta, k.device)
         kf = k.float()
-        return (kf * emb.cos() + rotate_half(kf) * emb.sin()).to(k.dtype)
+        return (kf * cos + rotate_half(kf) * sin).to(k.dtype)
 
 
 def check_rerotation(hf_model: torch.nn.Module, max_positions: int) -> tuple[bool, str]:

@@ -8,7 +8,7 @@ never from row order: that is what lets blending recompute scattered rows exactl
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -54,6 +54,8 @@ class Rows:
     pos: torch.Tensor  # [n] absolute positions, ascending
     cos: torch.Tensor  # [n, d]
     sin: torch.Tensor
+    # Attention query groups and masks per (cache first position, window): the same for every layer.
+    groups: dict = field(default_factory=dict)
 
     def take(self, idx: torch.Tensor) -> "Rows":
         return Rows(self.h[idx], self.pos[idx], self.cos[idx], self.sin[idx])
@@ -110,9 +112,10 @@ class Runner:
     def finish(self, layer: int, rows: Rows, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Attention of q over the cache, o_proj, residual, MLP: the rows' next hidden states."""
         attn = self.layers[layer].self_attn
-        first = cache.first
-        o = attend(q, cache.k[layer][:, first:], cache.v[layer][:, first:], rows.pos - first, attn.scaling,
-                   self.windows[layer])
+        first, window = cache.first, self.windows[layer]
+        if (first, window) not in rows.groups:
+            rows.groups[first, window] = query_groups(rows.pos - first, window)
+        o = attend(q, cache.k[layer][:, first:], cache.v[layer][:, first:], rows.groups[first, window], attn.scaling)
         h = rows.h + attn.o_proj(o.transpose(0, 1).reshape(rows.h.shape[0], -1))
         mlp_in = self.layers[layer].post_attention_layernorm(h)
         return h + self.layers[layer].mlp(mlp_in)
@@ -146,38 +149,51 @@ class Runner:
         return self.logits(rows.h[logit_rows])
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, scale: float,
-           window: int | None = None, max_groups: int = 16) -> torch.Tensor:
-    """Attention of queries q [H, n, d] at positions q_pos over keys/values [Hkv, T, d] (slot ==
-    position): query i sees keys at positions <= q_pos[i] (and within the sliding window).
+@dataclass
+class QueryGroup:
+    rows: slice  # consecutive query rows
+    end: int  # keys [0, end) are all they can see
+    mask: torch.Tensor | None  # [n, end] bool, or None when the rows see every key (causal / decode)
+    causal: bool = False  # the rows are positions [0, end): the plain causal kernel, no mask
 
-    Queries are split into up to `max_groups` position-ordered groups (of 32 rows or more), each
-    over keys up to its last position only, so masked rows pay for little more than the causal
-    triangle (16 groups: 53% of the square instead of 100%).
+
+def query_groups(q_pos: torch.Tensor, window: int | None = None, max_groups: int = 16) -> list[QueryGroup]:
+    """How queries at ascending positions q_pos (slot == position) attend: query i sees keys at
+    positions <= q_pos[i] (and within the sliding window).
+
+    Scattered queries are split into up to `max_groups` position-ordered groups (of 32 rows or
+    more), each over keys up to its last position only, so masked rows pay for little more than
+    the causal triangle (16 groups: 53% of the square instead of 100%). Built once per pass: every
+    layer reuses the masks.
     """
-    n = q.shape[1]
-    last = int(q_pos[-1])
-    first = int(q_pos[0])
-    contiguous = last - first + 1 == n
-    if window is None and contiguous and first == 0:  # a fresh prefill: the plain causal kernel
-        return F.scaled_dot_product_attention(q[None], k[None, :, : n], v[None, :, : n],
-                                              is_causal=True, scale=scale, enable_gqa=True)[0]
-    if n == 1 and window is None:  # decode: the one query sees every key up to its position
-        end = last + 1
-        return F.scaled_dot_product_attention(q[None], k[None, :, :end], v[None, :, :end],
-                                              scale=scale, enable_gqa=True)[0]
-    out = []
-    groups = max(1, min(max_groups, n // 32))
-    for idx in torch.tensor_split(torch.arange(n, device=q.device), groups):
-        if idx.numel() == 0:
+    n = q_pos.shape[0]
+    last, first = int(q_pos[-1]), int(q_pos[0])
+    if window is None and first == 0 and last + 1 == n:  # a fresh prefill
+        return [QueryGroup(slice(0, n), n, None, causal=True)]
+    if window is None and n == 1:  # decode: the one query sees every key up to its position
+        return [QueryGroup(slice(0, 1), last + 1, None)]
+    groups = []
+    bounds = torch.linspace(0, n, max(1, min(max_groups, n // 32)) + 1).round().long().tolist()
+    for a, b in zip(bounds, bounds[1:]):
+        if b <= a:
             continue
-        qp = q_pos[idx]
+        qp = q_pos[a:b]
         end = int(qp[-1]) + 1
-        key_pos = torch.arange(end, device=q.device)
+        key_pos = torch.arange(end, device=q_pos.device)
         mask = key_pos[None, :] <= qp[:, None]
         if window is not None:
             mask &= key_pos[None, :] > qp[:, None] - window
+        groups.append(QueryGroup(slice(a, b), end, mask))
+    return groups
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[QueryGroup], scale: float) -> torch.Tensor:
+    """Attention of queries q [H, n, d] over keys/values [Hkv, T, d] (slot == position), by the
+    `query_groups` of the queries' positions."""
+    out = []
+    for g in groups:
+        mask = None if g.mask is None else g.mask[None, None]
         out.append(F.scaled_dot_product_attention(
-            q[None, :, idx], k[None, :, :end], v[None, :, :end], attn_mask=mask[None, None],
-            scale=scale, enable_gqa=True)[0])
+            q[None, :, g.rows], k[None, :, : g.end], v[None, :, : g.end], attn_mask=mask,
+            is_causal=g.causal, scale=scale, enable_gqa=True)[0])
     return out[0] if len(out) == 1 else torch.cat(out, dim=1)
