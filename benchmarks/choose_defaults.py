@@ -23,7 +23,8 @@ from kvblend.eval.metrics import kl_divergence
 from kvblend.model.loader import load_model
 
 # (check layers, ratios, deviation, check_layer_kv); None = plain reuse
-VARIANTS = [None, ([1], [0.15], "k", "fresh"), ([1], [0.15], "v", "fresh"), ([1], [0.15], "attn_v", "fresh")]
+VARIANTS = [None, ([1], [0.15], "k", "fresh"), ([1], [0.15], "v", "fresh"), ([1], [0.15], "kv", "fresh"),
+            ([2], [0.15], "v", "fresh"), ([1, 2], [0.3, 0.15], "v", "fresh"), ([1, 4], [0.3, 0.15], "v", "fresh")]
 
 
 def main() -> None:
