@@ -99,6 +99,7 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     T = plan.n_tokens
     dev = runner.device
     cache = runner.new_cache(T + extra_capacity)
+    cache.length = T  # every layer loads or computes every row before its attention reads them
     loader = ChunkLoader(runner, plan, cache)
     loader.load_prefix()
     P = plan.prefix_hit
@@ -140,7 +141,6 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
             cache.write(layer, active, k, v)
         computed += active.numel()
         rows.h = runner.finish(layer, rows, q, cache)
-    cache.length = T
 
     still_reused = reused.clone()
     still_reused[active] = False

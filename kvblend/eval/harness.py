@@ -50,6 +50,7 @@ def prompt_ids(engine: Engine, record: RagRecord) -> list[int]:
 
 @torch.inference_mode()
 def greedy(engine: Engine, out: PrefillOutput, n_prompt: int, max_tokens: int) -> list[int]:
+    out.cache.truncate(n_prompt)
     tokens = [int(out.logits.argmax())]
     while len(tokens) < max_tokens and tokens[-1] not in engine.eos_ids:
         pos = n_prompt + len(tokens) - 1
@@ -63,6 +64,7 @@ def teacher_forced(engine: Engine, out: PrefillOutput, n_prompt: int, answer: li
     """Next-token logits at the first n answer positions: the prefill's last row, then the answer
     tokens as more suffix rows computed fresh against the mode's KV."""
     n = min(n, len(answer))
+    out.cache.truncate(n_prompt)
     rows = [out.logits[None]]
     if n > 1:
         fed = torch.tensor(answer[: n - 1])

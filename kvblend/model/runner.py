@@ -17,21 +17,40 @@ from .loader import LoadedModel
 from .rotary import Rotary, apply_rope
 
 
+# Attention reads keys in whole blocks of KEY_BLOCK positions (the CPU flash-attention kernel's own
+# block; a call over fewer keys takes another path and rounds differently). With every call reading
+# at least one whole block, and groups of queries ending on block boundaries (query_groups), a row's
+# result no longer depends on which other rows share its call: prefix reuse and blend at ratio 1.0
+# are bit-identical to full prefill, in bf16 too.
+KEY_BLOCK = 512
+
+
 class KVCache:
     """K and V of one sequence for every layer, [L, Hkv, capacity, d]; slot index == position."""
 
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
                  dtype: torch.dtype, device: torch.device):
-        shape = (n_layers, n_kv_heads, capacity, head_dim)
-        # Uninitialised: every slot is written before any query can see it (slot == position).
+        shape = (n_layers, n_kv_heads, max(capacity, KEY_BLOCK), head_dim)
+        # Uninitialised, but for the first block: attention always reads a whole block, and the
+        # slots of it past `length` must hold finite values for their mask to cancel them.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
-        self.length = 0  # positions [0, length) hold valid KV
+        self.k[:, :, :KEY_BLOCK].zero_()
+        self.v[:, :, :KEY_BLOCK].zero_()
+        # Positions [0, length) hold valid KV (a pass sets it first: each of its layers writes or
+        # loads every such slot before attention reads it). Past it, only the zeroed first block
+        # is ever read: empty() memory may hold NaN, which a mask cannot cancel.
+        self.length = 0
         self.first = 0  # lowest valid position: a sequence may start at an offset (tests, probes)
 
     @property
     def capacity(self) -> int:
         return self.k.shape[2]
+
+    @property
+    def readable(self) -> int:
+        """Slots attention may read: the valid ones, and at least one whole key block."""
+        return max(self.length, KEY_BLOCK)
 
     def reserve(self, capacity: int) -> None:
         """Grow to hold `capacity` positions (decode appends past the prompt)."""
@@ -40,6 +59,11 @@ class KVCache:
         grow = capacity - self.capacity
         pad = lambda t: torch.cat([t, t.new_empty(*t.shape[:2], grow, t.shape[3])], dim=2)  # noqa: E731
         self.k, self.v = pad(self.k), pad(self.v)
+
+    def truncate(self, length: int) -> None:
+        """Forget positions >= length (what an earlier decode appended), so that what is computed
+        next reads exactly what it would have read right after the prefill."""
+        self.length = min(self.length, length)
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         self.k[layer][:, positions] = k
@@ -114,7 +138,7 @@ class Runner:
         attn = self.layers[layer].self_attn
         first, window = cache.first, self.windows[layer]
         if (first, window) not in rows.groups:
-            rows.groups[first, window] = query_groups(rows.pos - first, window)
+            rows.groups[first, window] = query_groups(rows.pos - first, cache.readable - first, window)
         o = attend(q, cache.k[layer][:, first:], cache.v[layer][:, first:], rows.groups[first, window], attn.scaling)
         h = rows.h + attn.o_proj(o.transpose(0, 1).reshape(rows.h.shape[0], -1))
         mlp_in = self.layers[layer].post_attention_layernorm(h)
@@ -138,12 +162,12 @@ class Runner:
         cache.reserve(int(positions.max()) + 1)
         if cache.length == 0:
             cache.first = int(positions.min())
+        cache.length = max(cache.length, int(positions.max()) + 1)
         rows = self.rows(token_ids, positions)
         for layer in range(self.n_layers):
             q, k, v = self.qkv(layer, rows)
             cache.write(layer, positions, k, v)
             rows.h = self.finish(layer, rows, q, cache)
-        cache.length = max(cache.length, int(positions.max()) + 1)
         if logit_rows is None:
             logit_rows = slice(-1, None)
         return self.logits(rows.h[logit_rows])
@@ -157,28 +181,31 @@ class QueryGroup:
     causal: bool = False  # the rows are positions [0, end): the plain causal kernel, no mask
 
 
-def query_groups(q_pos: torch.Tensor, window: int | None = None, max_groups: int = 16) -> list[QueryGroup]:
-    """How queries at ascending positions q_pos (slot == position) attend: query i sees keys at
-    positions <= q_pos[i] (and within the sliding window).
+# What one attention call costs per key it reads, counted in query rows: the kernel's fixed work
+# per key block (loading, converting) is about that of 8 rows' dot products on this CPU kernel.
+CALL_COST_ROWS = 8
 
-    Scattered queries are split into up to `max_groups` position-ordered groups (of 32 rows or
-    more), each over keys up to its last position only, so masked rows pay for little more than
-    the causal triangle (16 groups: 53% of the square instead of 100%). Built once per pass: every
-    layer reuses the masks.
+
+def query_groups(q_pos: torch.Tensor, n_keys: int, window: int | None = None) -> list[QueryGroup]:
+    """How queries at ascending positions q_pos (slot == position) attend over the readable keys
+    [0, n_keys): query i sees keys at positions <= q_pos[i] (and within the sliding window).
+
+    Scattered queries are split into runs of key blocks; each run attends over keys up to the end
+    of its last block only, so masked rows pay for little more than the causal triangle, while a
+    few rows spread over a long prompt (separators, a suffix) share one call. Built once per pass:
+    every layer reuses the masks.
     """
     n = q_pos.shape[0]
     last, first = int(q_pos[-1]), int(q_pos[0])
-    if window is None and first == 0 and last + 1 == n:  # a fresh prefill
-        return [QueryGroup(slice(0, n), n, None, causal=True)]
-    if window is None and n == 1:  # decode: the one query sees every key up to its position
-        return [QueryGroup(slice(0, 1), last + 1, None)]
+    if window is None and last + 1 == n_keys:
+        if first == 0 and n == n_keys:  # a fresh prefill: the plain causal kernel
+            return [QueryGroup(slice(0, n), n, None, causal=True)]
+        if n == 1:  # decode: the one query sees every key
+            return [QueryGroup(slice(0, 1), n_keys, None)]
     groups = []
-    bounds = torch.linspace(0, n, max(1, min(max_groups, n // 32)) + 1).round().long().tolist()
-    for a, b in zip(bounds, bounds[1:]):
-        if b <= a:
-            continue
+    for a, b in _block_runs(q_pos, n_keys):
         qp = q_pos[a:b]
-        end = int(qp[-1]) + 1
+        end = min((int(qp[-1]) // KEY_BLOCK + 1) * KEY_BLOCK, n_keys)
         key_pos = torch.arange(end, device=q_pos.device)
         mask = key_pos[None, :] <= qp[:, None]
         if window is not None:
@@ -187,9 +214,37 @@ def query_groups(q_pos: torch.Tensor, window: int | None = None, max_groups: int
     return groups
 
 
+def _block_runs(q_pos: torch.Tensor, n_keys: int) -> list[tuple[int, int]]:
+    """Row ranges [a, b) of the cheapest split into calls: a call over the key blocks up to its
+    last row's costs (its end) x (CALL_COST_ROWS + its rows). Exact over block runs (O(blocks^2))."""
+    block = torch.div(q_pos, KEY_BLOCK, rounding_mode="floor")
+    starts = [0, *(torch.nonzero(block[1:] != block[:-1]).squeeze(1) + 1).tolist()]
+    bounds = starts + [q_pos.shape[0]]
+    ends = [min((int(block[a]) + 1) * KEY_BLOCK, n_keys) for a in starts]
+    best = [0.0] + [float("inf")] * len(starts)  # best[j]: cheapest split of the first j blocks
+    cut = [0] * (len(starts) + 1)
+    for j in range(1, len(starts) + 1):
+        for i in range(j):
+            cost = best[i] + ends[j - 1] * (CALL_COST_ROWS + bounds[j] - bounds[i])
+            if cost < best[j]:
+                best[j], cut[j] = cost, i
+    runs, j = [], len(starts)
+    while j:
+        runs.append((bounds[cut[j]], bounds[j]))
+        j = cut[j]
+    return runs[::-1]
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[QueryGroup], scale: float) -> torch.Tensor:
     """Attention of queries q [H, n, d] over keys/values [Hkv, T, d] (slot == position), by the
     `query_groups` of the queries' positions."""
+    if q.shape[1] == 1 and groups[0].mask is None:
+        # Decode: the kernel's one-row path is slow (bf16: 7x); the query heads that share a key
+        # head, taken as rows of one call, go through its multi-row path instead.
+        end = groups[0].end
+        o = F.scaled_dot_product_attention(q.view(k.shape[0], -1, q.shape[2])[None], k[None, :, :end],
+                                           v[None, :, :end], scale=scale)[0]
+        return o.view(q.shape)
     out = []
     for g in groups:
         mask = None if g.mask is None else g.mask[None, None]
