@@ -23,6 +23,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute-ratios", help="e.g. 0.15 or 0.3,0.15")
     p.add_argument("--deviation", choices=["k", "v", "kv"])
     p.add_argument("--check-layer-kv", choices=["fresh", "cached"])
+    p.add_argument("--weight-by-attention", action=argparse.BooleanOptionalAction, default=None,
+                   help="weight HKVD scores by the attention the suffix pays each token")
     p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
     p.add_argument("--separator")
 
@@ -33,6 +35,7 @@ def _settings(args):
     return load_settings(args.config, model=args.model, dtype=args.dtype, device=args.device, mode=args.mode,
                          check_layers=args.check_layers, recompute_ratios=args.recompute_ratios,
                          deviation=args.deviation, check_layer_kv=args.check_layer_kv,
+                         weight_by_attention=args.weight_by_attention,
                          chunk_context=args.chunk_context, separator=args.separator)
 
 

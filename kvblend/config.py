@@ -99,6 +99,7 @@ class Settings(BaseSettings):
     )
     deviation: Literal["k", "v", "kv"] = "v"  # measured best: see README, "Choosing the defaults"
     check_layer_kv: Literal["fresh", "cached"] = "fresh"
+    weight_by_attention: bool = True  # HKVD scores times the suffix's attention: see README, "Choosing the defaults"
     chunk_context: Literal["bare", "bos", "prefix"] = "bare"  # measured best with V selection: see README
     layerwise: bool = Field(default=True, validation_alias=_env("layerwise", "LMCACHE_USE_LAYERWISE"))
 

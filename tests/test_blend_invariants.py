@@ -1,12 +1,12 @@
 """CacheBlend invariants on tiny random models of every family (DESIGN section 1)."""
 
 import warnings
+from dataclasses import replace
 
 import pytest
 import torch
 from tiny_models import FAMILIES, tiny_model
 
-from kvblend.blend.fusor import BlendConfig
 from kvblend.blend.segment import join_segments
 from kvblend.config import Settings
 from kvblend.engine.engine import Engine
@@ -35,10 +35,9 @@ def prompt(cs):
 
 def prefill(engine, ids, mode, ratios=None, **cfg):
     bc = engine.blend_cfg
-    if ratios is not None or cfg:
-        bc = BlendConfig(cfg.get("check_layers", bc.check_layers), ratios or bc.ratios,
-                         cfg.get("deviation", bc.deviation), cfg.get("check_layer_kv", bc.check_layer_kv))
-    return engine.prefill(ids, mode, blend_cfg=bc)
+    if ratios is not None:
+        cfg["ratios"] = ratios
+    return engine.prefill(ids, mode, blend_cfg=replace(bc, **cfg))
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -124,18 +123,21 @@ def test_separators_and_suffix_always_recomputed(ratio):
 @pytest.mark.parametrize("check_layers,ratios", [([1], [0.3]), ([1], [0.05]), ([0, 2], [0.5, 0.2]),
                                                  ([1, 2, 3], [0.6, 0.3, 0.1])])
 @pytest.mark.parametrize("deviation", ["k", "v", "kv"])
-def test_number_of_selected_tokens_follows_ratios(check_layers, ratios, deviation):
+@pytest.mark.parametrize("weight_by_attention", [True, False])
+def test_number_of_selected_tokens_follows_ratios(check_layers, ratios, deviation, weight_by_attention):
     engine = make_engine()
     cs = chunks(4, length=25, seed=6)
     engine.precompute(prompt(cs))
     ids = prompt(cs[::-1])
-    plan, out = prefill(engine, ids, "blend", ratios=ratios, check_layers=check_layers, deviation=deviation)
+    plan, out = prefill(engine, ids, "blend", ratios=ratios, check_layers=check_layers, deviation=deviation,
+                        weight_by_attention=weight_by_attention)
     n_reused = int(plan.reused_mask().sum())
     assert len(out.stats.selected_positions) == round(ratios[-1] * n_reused)
     must = plan.n_tokens - plan.prefix_hit - n_reused
     assert out.stats.recomputed_tokens == must + round(ratios[-1] * n_reused)
     # Gradual filtering: rows computed per layer shrink at each check layer as the ratios say.
-    per_layer = []
+    # The attention probe is a reuse pass: the must-compute rows through every layer.
+    per_layer = [must] * engine.runner.n_layers if weight_by_attention else []
     active = plan.n_tokens - plan.prefix_hit
     for layer in range(engine.runner.n_layers):
         if layer in check_layers:
@@ -146,7 +148,7 @@ def test_number_of_selected_tokens_follows_ratios(check_layers, ratios, deviatio
 
 def test_selection_picks_the_most_deviating_tokens():
     """Selected rows are the top deviations: raising a chunk's deviation gets it selected."""
-    engine = make_engine(deviation="v")
+    engine = make_engine(deviation="v", chunk_context="bare", weight_by_attention=False)
     cs = chunks(3, seed=7)
     engine.precompute(prompt(cs))
     ids = prompt(cs)

@@ -35,6 +35,7 @@ def test_defaults() -> None:
     assert s.recompute_ratios == [0.15]
     assert s.deviation == "v"
     assert s.check_layer_kv == "fresh"
+    assert s.weight_by_attention is True
     assert s.chunk_context == "bare"
     assert s.layerwise is True
     assert s.namespace == "default"
@@ -95,6 +96,7 @@ def test_lmcache_layers_and_ratios_together(monkeypatch: pytest.MonkeyPatch) -> 
         ("KVBLEND_BLEND_RATIOS", "0.25", "recompute_ratios", [0.25]),
         ("KVBLEND_DEVIATION", "kv", "deviation", "kv"),
         ("KVBLEND_CHECK_LAYER_KV", "cached", "check_layer_kv", "cached"),
+        ("KVBLEND_WEIGHT_BY_ATTENTION", "off", "weight_by_attention", False),
         ("KVBLEND_CHUNK_CONTEXT", "bos", "chunk_context", "bos"),
         ("KVBLEND_LAYERWISE", "0", "layerwise", False),
         ("KVBLEND_NAMESPACE", "team-a", "namespace", "team-a"),

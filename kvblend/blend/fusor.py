@@ -3,9 +3,10 @@
 Rows [0, prefix_hit) hold exact KV from the prefix cache. Reused rows hold cached chunk KV moved
 to their new positions. Blend computes every other row through the layers before the first check
 layer, then at each check layer keeps only the reused rows whose fresh K (or V) deviates most from
-the cached one; after it only the kept rows (and the rows that must always be computed:
-separators, missed chunks, the suffix) go on, at their true positions, and their fresh KV
-overwrites the cached rows.
+the cached one (by default weighted by the attention the suffix pays them, measured in a reuse
+pass first); after it only the kept rows (and the rows that must always be computed: separators,
+missed chunks, the suffix) go on, at their true positions, and their fresh KV overwrites the
+cached rows.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..model.runner import KVCache, Runner
+from ..model.runner import KVCache, Rows, Runner
 from .plan import Plan
-from .select import deviation, n_selected, top_tokens
+from .select import attention_mass, deviation, n_selected, top_tokens, weighted
 
 MODES = ("full", "prefix", "reuse", "blend")
 
@@ -25,8 +26,11 @@ MODES = ("full", "prefix", "reuse", "blend")
 class BlendConfig:
     check_layers: list[int] = field(default_factory=lambda: [1])
     ratios: list[float] = field(default_factory=lambda: [0.15])
-    deviation: str = "k"
+    deviation: str = "v"
     check_layer_kv: str = "fresh"  # KV that unselected rows keep at the check layer itself
+    # Weight each token's deviation by the attention the prompt's suffix pays it, measured in a
+    # reuse pass first (a few percent of a full prefill's compute): recompute what the question reads.
+    weight_by_attention: bool = True
 
     def __post_init__(self):
         if len(self.ratios) == 1 and len(self.check_layers) > 1:
@@ -92,6 +96,73 @@ class ChunkLoader:
             self.cache.v[layer, :, start:end] = kv.v[layer, :, offset:]
 
 
+class Selector:
+    """At each check layer, which of the active rows go on: every must-compute row, and the
+    reused rows with the highest scores, `ratio` of all reused rows."""
+
+    def __init__(self, checks: dict[int, float], cfg: BlendConfig, reused: torch.Tensor,
+                 attention: torch.Tensor | None):
+        self.checks, self.signal, self.reused, self.attention = checks, cfg.deviation, reused, attention
+        self.n_reused = int(reused.sum())
+
+    def keep(self, layer: int, active: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+             cache: KVCache) -> torch.Tensor | None:
+        """A mask over the active rows, or None where `layer` is no check layer."""
+        if layer not in self.checks:
+            return None
+        cand = self.reused[active]  # reused rows still active: the candidates
+        cand_idx = cand.nonzero().squeeze(1)
+        cand_pos = active[cand_idx]
+        score = deviation(self.signal, k[:, cand_idx], cache.k[layer][:, cand_pos],
+                          v[:, cand_idx], cache.v[layer][:, cand_pos])
+        if self.attention is not None:
+            score = weighted(score, self.attention[cand_pos])
+        keep = ~cand
+        keep[cand_idx[top_tokens(score, n_selected(self.checks[layer], self.n_reused))]] = True
+        return keep
+
+
+@dataclass
+class Pass:
+    """One walk through the layers: what it computed and, if asked, what the watched rows read."""
+
+    rows: Rows
+    active: torch.Tensor  # positions of the rows computed at the last layer
+    computed: int  # (layer, row) pairs computed
+    attention: torch.Tensor | None  # [T] attention mass the watched rows put on each position
+
+
+def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, active: torch.Tensor,
+               load_from: int, selector: Selector | None = None, check_layer_kv: str = "fresh",
+               watch: torch.Tensor | None = None) -> Pass:
+    """Every layer over the active rows, loading cached chunk KV from layer `load_from` on; the
+    selector narrows the rows at its check layers. `watch` (a mask over the rows; no selector)
+    sums the attention those rows pay each position, over layers."""
+    T = cache.length
+    mass = torch.zeros(T, device=runner.device) if watch is not None else None
+    computed = 0
+    for layer in range(runner.n_layers):
+        if layer >= load_from:
+            loader.load_layer(layer)
+        q, k, v = runner.qkv(layer, rows)
+        keep = selector.keep(layer, active, k, v, cache) if selector is not None else None
+        if keep is None:
+            cache.write(layer, active, k, v)
+        else:
+            if check_layer_kv == "fresh":
+                cache.write(layer, active, k, v)
+            active, q, k, v = active[keep], q[:, keep], k[:, keep], v[:, keep]
+            rows = rows.take(keep.nonzero().squeeze(1))
+            if check_layer_kv == "cached":
+                cache.write(layer, active, k, v)
+        computed += active.numel()
+        if mass is not None:
+            mass += attention_mass(q[:, watch], cache.k[layer][:, :T], active[watch],
+                                   runner.layers[layer].self_attn.scaling, runner.windows[layer])
+        rows.h = runner.finish(layer, rows, q, cache)
+    return Pass(rows, active, computed, mass)
+
+
 @torch.inference_mode()
 def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capacity: int = 0) -> PrefillOutput:
     if mode not in MODES:
@@ -110,44 +181,32 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     if all(r == 0 for r in checks.values()):
         checks = {}  # selecting nothing needs no check: blend at ratio 0 is reuse
     pos = torch.arange(T, device=dev)
+    ids = plan.token_ids.to(dev)
+    must = pos[P:][~reused[P:]]  # separators, missed chunks, the suffix
+    computed, attention = 0, None
     if mode in ("full", "prefix") or not bool(reused.any()):
-        first_load, active = runner.n_layers, pos[P:]  # nothing reused: every row, every layer
+        load_from, active = runner.n_layers, pos[P:]  # nothing reused: every row, every layer
     elif checks:
-        first_load, active = min(checks), pos[P:]  # fresh K for all rows up to the first check
+        load_from, active = min(checks), pos[P:]  # fresh K for all rows up to the first check
+        if cfg.weight_by_attention:
+            # A reuse pass first, over the must-compute rows only: what its suffix rows attend to
+            # is what the question reads. It loads every layer's chunk KV, so the blend pass
+            # after it loads nothing, and overwrites every row the probe computed.
+            watch = must >= min(plan.segments.suffix[0], T - 1)
+            probe = run_layers(runner, cache, loader, runner.rows(ids[must], must), must, 0, watch=watch)
+            computed, attention, load_from = probe.computed, probe.attention, runner.n_layers
     else:
-        first_load, active = 0, pos[P:][~reused[P:]]  # reuse: only the must-compute rows
-    rows = runner.rows(plan.token_ids.to(dev)[active], active)
-    n_reused = int(reused.sum())
-    computed = 0
-    for layer in range(runner.n_layers):
-        if layer >= first_load:
-            loader.load_layer(layer)
-        q, k, v = runner.qkv(layer, rows)
-        if layer in checks:
-            cand = reused[active]  # reused rows still active: the candidates
-            cand_idx = cand.nonzero().squeeze(1)
-            cand_pos = active[cand_idx]
-            dev_score = deviation(cfg.deviation, k[:, cand_idx], cache.k[layer][:, cand_pos],
-                                  v[:, cand_idx], cache.v[layer][:, cand_pos])
-            keep = ~cand
-            keep[cand_idx[top_tokens(dev_score, n_selected(checks[layer], n_reused))]] = True
-            if cfg.check_layer_kv == "fresh":
-                cache.write(layer, active, k, v)
-            active, q, k, v = active[keep], q[:, keep], k[:, keep], v[:, keep]
-            rows = rows.take(keep.nonzero().squeeze(1))
-            if cfg.check_layer_kv == "cached":
-                cache.write(layer, active, k, v)
-        else:
-            cache.write(layer, active, k, v)
-        computed += active.numel()
-        rows.h = runner.finish(layer, rows, q, cache)
+        load_from, active = 0, must  # reuse: only the must-compute rows
+    selector = Selector(checks, cfg, reused, attention) if checks else None
+    out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, load_from,
+                     selector, cfg.check_layer_kv)
+    active = out.active
 
     still_reused = reused.clone()
     still_reused[active] = False
     stats.reused_tokens = int(still_reused.sum())
     stats.recomputed_tokens = int(active.numel())
-    stats.compute_frac = computed / (runner.n_layers * T)
+    stats.compute_frac = (computed + out.computed) / (runner.n_layers * T)
     stats.selected_positions = active[reused[active]].tolist()
     stats.recomputed_positions = active.tolist()
-    return PrefillOutput(cache, runner.logits(rows.h[-1:])[0], stats)
-
+    return PrefillOutput(cache, runner.logits(out.rows.h[-1:])[0], stats)

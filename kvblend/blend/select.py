@@ -1,4 +1,5 @@
-"""HKVD token selection: the reused tokens whose KV deviates most from a fresh computation."""
+"""HKVD token selection: the reused tokens whose KV deviates most from a fresh computation,
+optionally weighted by how much attention the prompt's suffix (the question) pays them."""
 
 from __future__ import annotations
 
@@ -18,6 +19,32 @@ def deviation(signal: str, fresh_k: torch.Tensor, cached_k: torch.Tensor, fresh_
     if "v" in signal:
         dev += (fresh_v.float() - cached_v.float()).pow(2).sum(dim=(0, 2))
     return dev
+
+
+def weighted(dev: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """The error a stale token leaves in the attention output is about its attention weight times
+    its KV deviation: score = a * ||delta|| (dev is the squared distance)."""
+    return attention.to(dev.device) * dev.sqrt()
+
+
+def attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                   window: int | None = None) -> torch.Tensor:
+    """Attention probability that queries q [H, n, d] at positions q_pos put on each key of
+    k [Hkv, T, d] (slot == position), averaged over heads and queries, in fp32: [T].
+
+    Query head h reads key head h // (H / Hkv), as grouped-query attention does.
+    """
+    n_kv, T = k.shape[0], k.shape[1]
+    group = q.shape[0] // n_kv
+    key_pos = torch.arange(T, device=k.device)
+    hidden = key_pos[None, :] > q_pos[:, None]  # [n, T]: keys a query cannot see
+    if window is not None:
+        hidden |= key_pos[None, :] <= q_pos[:, None] - window
+    mass = torch.zeros(T, dtype=torch.float32, device=k.device)
+    for h in range(n_kv):  # one key head at a time bounds memory to [group * n, T]
+        s = q[h * group:(h + 1) * group].float() @ k[h].float().T * scale  # [group, n, T]
+        mass += s.masked_fill_(hidden, float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
+    return mass / (q.shape[0] * q.shape[1])
 
 
 def n_selected(ratio: float, n_reused: int) -> int:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm import tqdm
 
-from ..blend.fusor import BlendConfig, PrefillOutput
+from ..blend.fusor import PrefillOutput
 from ..blend.segment import rag_prompt_ids
 from ..engine.engine import Engine
 from .datasets import RagRecord
@@ -85,8 +85,7 @@ def run_eval(engine: Engine, records: list[RagRecord], modes: list[str], ratios:
         engine.precompute(ids)
         ref_logits, ref_answer = None, None
         for v in vs:
-            cfg = BlendConfig(engine.blend_cfg.check_layers, [v.ratio or 0.0] * len(engine.blend_cfg.check_layers),
-                              engine.blend_cfg.deviation, engine.blend_cfg.check_layer_kv)
+            cfg = replace(engine.blend_cfg, ratios=[v.ratio or 0.0] * len(engine.blend_cfg.check_layers))
             t0 = time.perf_counter()
             _, out = engine.prefill(ids, v.mode, extra_capacity=answer_tokens, blend_cfg=cfg)
             int(out.logits.argmax())
@@ -127,6 +126,7 @@ def summarize(engine: Engine, lengths: list[int], vs: list[Variant], per: dict) 
     meta = dict(n_prompts=len(lengths), model=s.model, dtype=str(engine.model.dtype).removeprefix("torch."),
                 device=str(engine.model.device), chunk_context=s.chunk_context, deviation=s.deviation,
                 check_layers=list(engine.blend_cfg.check_layers), check_layer_kv=s.check_layer_kv,
+                weight_by_attention=s.weight_by_attention,
                 mean_prompt_tokens=round(statistics.mean(lengths)), threads=torch.get_num_threads())
     per_prompt = {v.label: [{k: r[k] for k in ("ttft_s", "kl_answer", "top1_agree", "recompute_frac")} for r in per[v]]
                   for v in vs}
