@@ -4,8 +4,8 @@ import json
 import pytest
 
 from kvblend.eval.datasets import (
-    QA_INSTRUCTION,
-    SUMMARY_INSTRUCTION,
+    QA,
+    SUMMARY,
     RagRecord,
     load_dataset,
     split_passages,
@@ -44,7 +44,7 @@ def test_list_format(tmp_path):
     ])
     recs = load_dataset(path)
     assert len(recs) == 2 and all(isinstance(r, RagRecord) for r in recs)
-    assert recs[0] == RagRecord("Who?", ["Ann"], ["Title: Ann\nAnn wrote it.", "No title here."], "f1", QA_INSTRUCTION)
+    assert recs[0] == RagRecord("Who?", ["Ann"], ["Title: Ann\nAnn wrote it.", "No title here."], "f1", QA)
     assert recs[1].answers == [["Croatia", "Hrvatska"]]
     assert [r.question for r in load_dataset(path, limit=1)] == ["Who?"]
 
@@ -58,7 +58,7 @@ def test_longbench_split_and_summary(tmp_path):
     recs = load_dataset(path)
     assert recs[0].passages == ["First story.\nSecond line.", "Other story.", "Third, quoting Passage 9: inline."]
     assert recs[0].question == ""
-    assert recs[0].instruction == SUMMARY_INSTRUCTION
+    assert recs[0].task == SUMMARY
     assert recs[0].metric == "rougeL"
     assert recs[0].answers == ["A summary."]
     assert recs[1].passages == ["Only one."]
@@ -74,7 +74,7 @@ def test_longbench_with_question_keeps_it(tmp_path):
         {"input": "What happened?", "context": "Passage 1:\nA.\nPassage 2:\nB.", "answers": ["x"], "dataset": "qmsum"},
     ])
     (rec,) = load_dataset(path)
-    assert rec.question == "What happened?" and rec.metric == "rougeL" and rec.instruction != SUMMARY_INSTRUCTION
+    assert rec.question == "What happened?" and rec.metric == "rougeL" and rec.task != SUMMARY
 
 
 def test_nq_gold_position_and_distractors(tmp_path):
@@ -84,7 +84,7 @@ def test_nq_gold_position_and_distractors(tmp_path):
     golds = [f"Title: T{i}\ngold text {i}" for i in range(12)]
     for i, r in enumerate(recs):
         assert r.question == f"q{i}?" and r.answers == [f"a{i}"]
-        assert r.metric == "f1" and r.instruction == QA_INSTRUCTION
+        assert r.metric == "f1" and r.task == QA
         assert len(r.passages) == 5
         assert r.passages[2] == golds[i]
         distractors = r.passages[:2] + r.passages[3:]

@@ -16,9 +16,29 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-QA_INSTRUCTION = "Answer the question based on the passages. Answer in a few words."
-SUMMARY_INSTRUCTION = "Write a one-page summary of all the news passages."
-QUERY_INSTRUCTION = "Answer the query based on the passages."
+
+
+@dataclass(frozen=True)
+class TaskPrompt:
+    """How a record's prompt is worded: a system message before the passages and an instruction
+    after them, right before the question, as in the CacheBlend paper's own prompts."""
+
+    system: str
+    instruction: str
+
+
+# The CacheBlend paper's QA prompt (its MuSiQue / 2WikiMQA examples): a short answer, asked for
+# before and after the passages.
+QA = TaskPrompt(
+    "You will be asked a question after reading several passages. Please directly answer the question "
+    "based on the given passages. Do NOT repeat the question. The answer should be within 5 words.",
+    "Answer the question directly based on the given passages. Do NOT repeat the question. "
+    "The answer should be within 5 words.",
+)
+SUMMARY = TaskPrompt("You will be asked to summarize several news passages.",
+                     "Write a one-page summary of all the news passages.")
+QUERY = TaskPrompt("You will be asked a query after reading several passages.",
+                   "Answer the query based on the passages.")
 
 # LongBench subsets scored by F1 (the others, summaries and query-based summaries, by Rouge-L).
 _LONGBENCH_F1 = {"narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa", "musique", "triviaqa"}
@@ -33,7 +53,7 @@ class RagRecord:
     answers: list
     passages: list[str]
     metric: str  # "f1" or "rougeL"
-    instruction: str
+    task: TaskPrompt
 
 
 def load_dataset(
@@ -133,7 +153,7 @@ def _list_record(path: Path, i: int, item: dict) -> RagRecord:
         answers=_answers(path, i, item),
         passages=[_passage(path, i, c) for c in ctxs],
         metric="f1",
-        instruction=QA_INSTRUCTION,
+        task=QA,
     )
 
 
@@ -147,13 +167,13 @@ def _longbench_record(path: Path, i: int, item: dict) -> RagRecord:
     context = _field(path, i, item, "context", str)
     question = _field(path, i, item, "input", str).strip()
     if item.get("dataset") in _LONGBENCH_F1:
-        metric, instruction = "f1", QA_INSTRUCTION
+        metric, task = "f1", QA
     else:
-        metric, instruction = "rougeL", QUERY_INSTRUCTION if question else SUMMARY_INSTRUCTION
+        metric, task = "rougeL", QUERY if question else SUMMARY
     passages = split_passages(context)
     if not passages:
         raise ValueError(f"{path}: record {i} has an empty 'context'")
-    return RagRecord(question, _answers(path, i, item), passages, metric, instruction)
+    return RagRecord(question, _answers(path, i, item), passages, metric, task)
 
 
 def _nq_records(
@@ -185,7 +205,7 @@ def _nq_records(
                 answers=_answers(path, i, item),
                 passages=passages,
                 metric="f1",
-                instruction=QA_INSTRUCTION,
+                task=QA,
             )
         )
     return records

@@ -43,9 +43,9 @@ def variants(modes: list[str], ratios: list[float]) -> list[Variant]:
 
 
 def prompt_ids(engine: Engine, record: RagRecord) -> list[int]:
-    """System prompt with the instruction, the passages as chunks, then the question."""
-    question = f"Question: {record.question}" if record.question else ""
-    return rag_prompt_ids(engine.tokenizer, engine.sep_ids, record.instruction, question, record.passages)
+    """The task's system prompt, the passages as chunks, then its instruction and the question."""
+    tail = record.task.instruction + (f"\nQuestion: {record.question}" if record.question else "")
+    return rag_prompt_ids(engine.tokenizer, engine.sep_ids, record.task.system, tail, record.passages)
 
 
 @torch.inference_mode()
