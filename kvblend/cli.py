@@ -139,7 +139,7 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--data", required=True, help="CacheBlend .json, LongBench .jsonl or NQ-open .jsonl(.gz)")
     ev.add_argument("--limit", type=int)
     ev.add_argument("--modes", default="reuse,blend", help="besides full: prefix, reuse, blend")
-    ev.add_argument("--ratios", default="0,0.05,0.15,0.3,1.0", help="blend recompute ratios to sweep")
+    ev.add_argument("--ratios", default="0,0.05,0.08,0.15,0.3,1.0", help="blend recompute ratios to sweep")
     ev.add_argument("--answer-tokens", type=int, default=32)
     ev.add_argument("--tf-positions", type=int, default=16)
     ev.add_argument("--nq-k", type=int, default=10)

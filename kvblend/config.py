@@ -94,13 +94,13 @@ class Settings(BaseSettings):
         default_factory=lambda: [1], validation_alias=_env("check_layers", "LMCACHE_BLEND_CHECK_LAYERS")
     )
     recompute_ratios: Annotated[list[float], NoDecode] = Field(
-        default_factory=lambda: [0.15],
+        default_factory=lambda: [0.08],  # same TTFT as plain HKVD at 0.15: README, Results
         validation_alias=_env("recompute_ratios", "LMCACHE_BLEND_RECOMPUTE_RATIOS", "KVBLEND_BLEND_RATIOS"),
     )
     deviation: Literal["k", "v", "kv"] = "v"  # measured best: see README, "Choosing the defaults"
     check_layer_kv: Literal["fresh", "cached"] = "fresh"
     weight_by_attention: bool = True  # HKVD scores times the suffix's attention: see README, "Choosing the defaults"
-    chunk_context: Literal["bare", "bos", "prefix"] = "bare"  # measured best with V selection: see README
+    chunk_context: Literal["bare", "bos", "prefix"] = "prefix"  # measured best: see README, "Choosing the defaults"
     layerwise: bool = Field(default=True, validation_alias=_env("layerwise", "LMCACHE_USE_LAYERWISE"))
 
     # Storage (DESIGN.md section 2).

@@ -32,11 +32,11 @@ def test_defaults() -> None:
     assert s.mode == "blend"
     assert s.separator == " # # "
     assert s.check_layers == [1]
-    assert s.recompute_ratios == [0.15]
+    assert s.recompute_ratios == [0.08]
     assert s.deviation == "v"
     assert s.check_layer_kv == "fresh"
     assert s.weight_by_attention is True
-    assert s.chunk_context == "bare"
+    assert s.chunk_context == "prefix"
     assert s.layerwise is True
     assert s.namespace == "default"
     assert s.chunk_size == 256

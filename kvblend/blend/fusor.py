@@ -25,7 +25,7 @@ MODES = ("full", "prefix", "reuse", "blend")
 @dataclass
 class BlendConfig:
     check_layers: list[int] = field(default_factory=lambda: [1])
-    ratios: list[float] = field(default_factory=lambda: [0.15])
+    ratios: list[float] = field(default_factory=lambda: [0.08])
     deviation: str = "v"
     check_layer_kv: str = "fresh"  # KV that unselected rows keep at the check layer itself
     # Weight each token's deviation by the attention the prompt's suffix pays it, measured in a
