@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-
 @dataclass(frozen=True)
 class TaskPrompt:
     """How a record's prompt is worded: a system message before the passages and an instruction
