@@ -102,7 +102,8 @@ class Selector:
 
     def __init__(self, checks: dict[int, float], cfg: BlendConfig, reused: torch.Tensor,
                  attention: torch.Tensor | None):
-        self.checks, self.signal, self.reused, self.attention = checks, cfg.deviation, reused, attention
+        self.checks, self.reused, self.attention = checks, reused, attention
+        self.signal, self.check_layer_kv = cfg.deviation, cfg.check_layer_kv
         self.n_reused = int(reused.sum())
 
     def keep(self, layer: int, active: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -133,8 +134,7 @@ class Pass:
 
 
 def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, active: torch.Tensor,
-               load_from: int, selector: Selector | None = None, check_layer_kv: str = "fresh",
-               watch: torch.Tensor | None = None) -> Pass:
+               load_from: int, selector: Selector | None = None, watch: torch.Tensor | None = None) -> Pass:
     """Every layer over the active rows, loading cached chunk KV from layer `load_from` on; the
     selector narrows the rows at its check layers. `watch` (a mask over the rows; no selector)
     sums the attention those rows pay each position, over layers."""
@@ -149,11 +149,11 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
         if keep is None:
             cache.write(layer, active, k, v)
         else:
-            if check_layer_kv == "fresh":
+            if selector.check_layer_kv == "fresh":
                 cache.write(layer, active, k, v)
             active, q, k, v = active[keep], q[:, keep], k[:, keep], v[:, keep]
             rows = rows.take(keep.nonzero().squeeze(1))
-            if check_layer_kv == "cached":
+            if selector.check_layer_kv == "cached":
                 cache.write(layer, active, k, v)
         computed += active.numel()
         if mass is not None:
@@ -198,8 +198,7 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     else:
         load_from, active = 0, must  # reuse: only the must-compute rows
     selector = Selector(checks, cfg, reused, attention) if checks else None
-    out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, load_from,
-                     selector, cfg.check_layer_kv)
+    out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, load_from, selector)
     active = out.active
 
     still_reused = reused.clone()
