@@ -67,7 +67,8 @@ class ChunkLoader:
         self.runner, self.plan, self.cache = runner, plan, cache
         dev = runner.device
         # Per hit chunk: the rows [start, end) it supplies (>= prefix_hit) and, when it moved, the
-        # rotation that takes its K there (computed once, used at every layer).
+        # rotations that take its K there, one per rotary the model has (computed once, used at
+        # every layer of that rotary).
         self.parts = []
         for c in plan.chunks:
             if c.kv is None:
@@ -77,8 +78,8 @@ class ChunkLoader:
                 continue
             offset = start - c.span[0]
             delta = torch.arange(start, c.span[1]) - c.kv.positions[offset:]
-            table = runner.rotary.shift_table(delta, dev) if bool((delta != 0).any()) else None
-            self.parts.append((c.kv, offset, start, c.span[1], table))
+            tables = runner.shift_tables(delta, dev) if bool((delta != 0).any()) else None
+            self.parts.append((c.kv, offset, start, c.span[1], tables))
 
     def load_prefix(self) -> None:
         for (start, end), kv in self.plan.prefix_blocks:
@@ -88,10 +89,10 @@ class ChunkLoader:
                 self.cache.v[:, :, start:end] = kv.v[:, :, : end - start].to(self.cache.v.device)
 
     def load_layer(self, layer: int) -> None:
-        for kv, offset, start, end, table in self.parts:
+        for kv, offset, start, end, tables in self.parts:
             k = kv.k[layer, :, offset:].to(self.runner.device)
-            if table is not None:
-                k = self.runner.rotary.rerotate(k, table=table)
+            if tables is not None:
+                k = self.runner.rerotate(layer, k, tables)
             self.cache.k[layer, :, start:end] = k
             self.cache.v[layer, :, start:end] = kv.v[layer, :, offset:]
 

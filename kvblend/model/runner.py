@@ -1,9 +1,14 @@
-"""The layerwise runner: drives a transformers Llama-family model one layer at a time.
+"""The layerwise runner: drives a transformers Llama-family or Gemma 3 model one layer at a time.
 
 It uses the model's own modules (norms, projections, q/k norms, MLP, rotary) and its own
 attention, so that any subset of token rows can be computed at any layer against a KV cache that
 holds every position. Masks come from positions (a query sees keys at positions <= its own),
 never from row order: that is what lets blending recompute scattered rows exactly.
+
+Gemma 3 differs in per-layer ways, each found once in Runner.__init__: sliding-window layers
+(attention reads only the keys of the window) and full layers rotate with their own rotary; norms
+wrap the attention output and the MLP ("sandwich" norms); the embedding module scales by
+sqrt(hidden) itself; logits may be soft-capped.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from .loader import LoadedModel
-from .rotary import Rotary, apply_rope
+from .rotary import apply_rope, layer_rotary_keys, rotaries
 
 
 # Attention reads keys in whole blocks of KEY_BLOCK positions (the CPU flash-attention kernel's own
@@ -76,13 +81,12 @@ class Rows:
 
     h: torch.Tensor  # [n, hidden]
     pos: torch.Tensor  # [n] absolute positions, ascending
-    cos: torch.Tensor  # [n, d]
-    sin: torch.Tensor
+    rope: dict  # rotary key (Runner.layer_rope) -> (cos, sin), each [n, d]
     # Attention query groups and masks per (cache first position, window): the same for every layer.
     groups: dict = field(default_factory=dict)
 
     def take(self, idx: torch.Tensor) -> "Rows":
-        return Rows(self.h[idx], self.pos[idx], self.cos[idx], self.sin[idx])
+        return Rows(self.h[idx], self.pos[idx], {key: (c[idx], s[idx]) for key, (c, s) in self.rope.items()})
 
 
 class Runner:
@@ -95,7 +99,12 @@ class Runner:
         self.layers = hf.model.layers
         self.norm = hf.model.norm
         self.lm_head = hf.lm_head
-        self.rotary = Rotary(hf)
+        # Per layer, once: the rotary it uses, its window, whether norms wrap attention and MLP.
+        self.rotaries = rotaries(hf)
+        self.layer_rope = layer_rotary_keys(hf)
+        self.rotary = self.rotaries[self.layer_rope[0]]  # layer 0's (the only one but for Gemma 3)
+        self.sandwich = [hasattr(layer, "pre_feedforward_layernorm") for layer in self.layers]
+        self.logit_softcap = getattr(cfg, "final_logit_softcapping", None)
         self.n_layers = cfg.num_hidden_layers
         self.n_heads = cfg.num_attention_heads
         self.n_kv_heads = cfg.num_key_value_heads
@@ -116,8 +125,18 @@ class Runner:
     # ---- pieces of one layer -------------------------------------------------------------
 
     def rows(self, token_ids: torch.Tensor, positions: torch.Tensor) -> Rows:
-        cos, sin = self.rotary.cos_sin(positions, self.dtype)
-        return Rows(self.embed_tokens(token_ids), positions, cos, sin)
+        # Gemma 3's embedding module multiplies by sqrt(hidden) itself.
+        rope = {key: rot.cos_sin(positions, self.dtype) for key, rot in self.rotaries.items()}
+        return Rows(self.embed_tokens(token_ids), positions, rope)
+
+    def shift_tables(self, delta: torch.Tensor, device: torch.device) -> dict:
+        """Per rotary key, the rotation moving cached K by delta [n] positions (see Rotary.shift_table)."""
+        return {key: rot.shift_table(delta, device) for key, rot in self.rotaries.items()}
+
+    def rerotate(self, layer: int, k: torch.Tensor, tables: dict) -> torch.Tensor:
+        """Cached K [Hkv, n, d] of `layer`, moved by its rotary's table from `shift_tables`."""
+        key = self.layer_rope[layer]
+        return self.rotaries[key].rerotate(k, table=tables[key])
 
     def qkv(self, layer: int, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [H, n, d], k and v [Hkv, n, d]; q and k rotated at the rows' positions."""
@@ -127,10 +146,11 @@ class Runner:
         q = attn.q_proj(x).view(n, self.n_heads, self.head_dim)
         k = attn.k_proj(x).view(n, self.n_kv_heads, self.head_dim)
         v = attn.v_proj(x).view(n, self.n_kv_heads, self.head_dim)
-        if hasattr(attn, "q_norm"):  # qwen3
+        if hasattr(attn, "q_norm"):  # qwen3, gemma3
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q = apply_rope(q.transpose(0, 1), rows.cos, rows.sin)
-        k = apply_rope(k.transpose(0, 1), rows.cos, rows.sin)
+        cos, sin = rows.rope[self.layer_rope[layer]]
+        q = apply_rope(q.transpose(0, 1), cos, sin)
+        k = apply_rope(k.transpose(0, 1), cos, sin)
         return q, k, v.transpose(0, 1)
 
     def finish(self, layer: int, rows: Rows, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
@@ -139,13 +159,21 @@ class Runner:
         first, window = cache.first, self.windows[layer]
         if (first, window) not in rows.groups:
             rows.groups[first, window] = query_groups(rows.pos - first, cache.readable - first, window)
+        # attn.scaling is the model's own (Gemma 3: query_pre_attn_scalar ** -0.5).
         o = attend(q, cache.k[layer][:, first:], cache.v[layer][:, first:], rows.groups[first, window], attn.scaling)
-        h = rows.h + attn.o_proj(o.transpose(0, 1).reshape(rows.h.shape[0], -1))
-        mlp_in = self.layers[layer].post_attention_layernorm(h)
-        return h + self.layers[layer].mlp(mlp_in)
+        o = attn.o_proj(o.transpose(0, 1).reshape(rows.h.shape[0], -1))
+        block = self.layers[layer]
+        if self.sandwich[layer]:  # gemma3: norms on the attention output and around the MLP
+            h = rows.h + block.post_attention_layernorm(o)
+            return h + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(h)))
+        h = rows.h + o
+        return h + block.mlp(block.post_attention_layernorm(h))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(h)).float()
+        logits = self.lm_head(self.norm(h)).float()
+        if self.logit_softcap:  # gemma 2/3 configs may cap logits: cap * tanh(logits / cap)
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     # ---- whole passes -----------------------------------------------------------------------
 
@@ -176,9 +204,10 @@ class Runner:
 @dataclass
 class QueryGroup:
     rows: slice  # consecutive query rows
-    end: int  # keys [0, end) are all they can see
-    mask: torch.Tensor | None  # [n, end] bool, or None when the rows see every key (causal / decode)
+    end: int  # keys [start, end) are all they can see
+    mask: torch.Tensor | None  # [n, end - start] bool, or None when the rows see every key (causal / decode)
     causal: bool = False  # the rows are positions [0, end): the plain causal kernel, no mask
+    start: int = 0  # > 0 only in sliding-window layers: the keys before it are out of every row's window
 
 
 # What one attention call costs per key it reads, counted in query rows: the kernel's fixed work
@@ -188,44 +217,54 @@ CALL_COST_ROWS = 8
 
 def query_groups(q_pos: torch.Tensor, n_keys: int, window: int | None = None) -> list[QueryGroup]:
     """How queries at ascending positions q_pos (slot == position) attend over the readable keys
-    [0, n_keys): query i sees keys at positions <= q_pos[i] (and within the sliding window).
+    [0, n_keys): query i sees keys at positions <= q_pos[i] (and > q_pos[i] - window).
 
     Scattered queries are split into runs of key blocks; each run attends over keys up to the end
     of its last block only, so masked rows pay for little more than the causal triangle, while a
-    few rows spread over a long prompt (separators, a suffix) share one call. Built once per pass:
-    every layer reuses the masks.
+    few rows spread over a long prompt (separators, a suffix) share one call. In sliding-window
+    layers a run also starts at the key block holding its first row's window start: it reads the
+    window, not the whole cache. Built once per pass: every layer reuses the masks.
     """
     n = q_pos.shape[0]
     last, first = int(q_pos[-1]), int(q_pos[0])
-    if window is None and last + 1 == n_keys:
-        if first == 0 and n == n_keys:  # a fresh prefill: the plain causal kernel
+    if last + 1 == n_keys:
+        if window is None and first == 0 and n == n_keys:  # a fresh prefill: the plain causal kernel
             return [QueryGroup(slice(0, n), n, None, causal=True)]
-        if n == 1:  # decode: the one query sees every key
-            return [QueryGroup(slice(0, 1), n_keys, None)]
+        if n == 1:  # decode: the one query sees every key (of its window)
+            return [QueryGroup(slice(0, 1), n_keys, None, start=max(0, n_keys - (window or n_keys)))]
     groups = []
-    for a, b in _block_runs(q_pos, n_keys):
+    for a, b in _block_runs(q_pos, n_keys, window):
         qp = q_pos[a:b]
+        start = _window_start(int(qp[0]), window)
         end = min((int(qp[-1]) // KEY_BLOCK + 1) * KEY_BLOCK, n_keys)
-        key_pos = torch.arange(end, device=q_pos.device)
+        key_pos = torch.arange(start, end, device=q_pos.device)
         mask = key_pos[None, :] <= qp[:, None]
         if window is not None:
             mask &= key_pos[None, :] > qp[:, None] - window
-        groups.append(QueryGroup(slice(a, b), end, mask))
+        groups.append(QueryGroup(slice(a, b), end, mask, start=start))
     return groups
 
 
-def _block_runs(q_pos: torch.Tensor, n_keys: int) -> list[tuple[int, int]]:
-    """Row ranges [a, b) of the cheapest split into calls: a call over the key blocks up to its
-    last row's costs (its end) x (CALL_COST_ROWS + its rows). Exact over block runs (O(blocks^2))."""
+def _window_start(pos: int, window: int | None) -> int:
+    """First key a call with its first query at `pos` reads: the key block holding the window start."""
+    return 0 if window is None else max(0, pos - window + 1) // KEY_BLOCK * KEY_BLOCK
+
+
+def _block_runs(q_pos: torch.Tensor, n_keys: int, window: int | None = None) -> list[tuple[int, int]]:
+    """Row ranges [a, b) of the cheapest split into calls: a call over the key blocks from its
+    first row's window start to its last row's costs (its keys) x (CALL_COST_ROWS + its rows).
+    Exact over block runs (O(blocks^2))."""
     block = torch.div(q_pos, KEY_BLOCK, rounding_mode="floor")
     starts = [0, *(torch.nonzero(block[1:] != block[:-1]).squeeze(1) + 1).tolist()]
     bounds = starts + [q_pos.shape[0]]
     ends = [min((int(block[a]) + 1) * KEY_BLOCK, n_keys) for a in starts]
+    key_starts = [_window_start(int(q_pos[a]), window) for a in starts]
     best = [0.0] + [float("inf")] * len(starts)  # best[j]: cheapest split of the first j blocks
     cut = [0] * (len(starts) + 1)
     for j in range(1, len(starts) + 1):
         for i in range(j):
-            cost = best[i] + ends[j - 1] * (CALL_COST_ROWS + bounds[j] - bounds[i])
+            keys = ends[j - 1] - key_starts[i]
+            cost = best[i] + keys * (CALL_COST_ROWS + bounds[j] - bounds[i])
             if cost < best[j]:
                 best[j], cut[j] = cost, i
     runs, j = [], len(starts)
@@ -241,14 +280,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[Query
     if q.shape[1] == 1 and groups[0].mask is None:
         # Decode: the kernel's one-row path is slow (bf16: 7x); the query heads that share a key
         # head, taken as rows of one call, go through its multi-row path instead.
-        end = groups[0].end
-        o = F.scaled_dot_product_attention(q.view(k.shape[0], -1, q.shape[2])[None], k[None, :, :end],
-                                           v[None, :, :end], scale=scale)[0]
+        start, end = groups[0].start, groups[0].end
+        o = F.scaled_dot_product_attention(q.view(k.shape[0], -1, q.shape[2])[None], k[None, :, start:end],
+                                           v[None, :, start:end], scale=scale)[0]
         return o.view(q.shape)
     out = []
     for g in groups:
         mask = None if g.mask is None else g.mask[None, None]
         out.append(F.scaled_dot_product_attention(
-            q[None, :, g.rows], k[None, :, : g.end], v[None, :, : g.end], attn_mask=mask,
+            q[None, :, g.rows], k[None, :, g.start:g.end], v[None, :, g.start:g.end], attn_mask=mask,
             is_causal=g.causal, scale=scale, enable_gqa=True)[0])
     return out[0] if len(out) == 1 else torch.cat(out, dim=1)

