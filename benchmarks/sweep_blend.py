@@ -43,7 +43,7 @@ def _value(text: str):
             return kind(text)
         except ValueError:
             pass
-    return {"true": True, "false": False}.get(text.lower(), text)
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
 
 
 def main() -> None:

@@ -244,3 +244,21 @@ def test_growing_the_cache_grows_its_key_bias_and_keeps_it_shared():
     assert cache.key_bias[0] is None and cache.key_bias[1] is cache.key_bias[2]
     assert cache.key_bias[1].shape[0] == cache.capacity == 700 and cache.key_bias[1][5] == -1.0
     assert not cache.key_bias[1][600:].any()
+
+
+def test_a_shallower_probe_keeps_the_exact_ends_and_costs_less():
+    engine = make_engine()
+    cs = chunks(3, seed=6)
+    engine.precompute(prompt(cs))
+    ids = prompt(cs[::-1])
+    L = engine.runner.n_layers
+    _, full = prefill(engine, ids, "full")
+    _, blend1 = prefill(engine, ids, "blend", ratios=[1.0], probe_layers=1)
+    torch.testing.assert_close(blend1.logits, full.logits, atol=1e-4, rtol=1e-4)
+    _, deep = prefill(engine, ids, "blend", ratios=[0.3])
+    _, all_layers = prefill(engine, ids, "blend", ratios=[0.3], probe_layers=L)
+    _, shallow = prefill(engine, ids, "blend", ratios=[0.3], probe_layers=2)
+    assert torch.equal(deep.logits, all_layers.logits)
+    assert shallow.stats.compute_frac < deep.stats.compute_frac
+    with pytest.raises(ValueError, match="probe_layers"):
+        replace(engine.blend_cfg, probe_layers=0)

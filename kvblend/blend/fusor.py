@@ -37,8 +37,13 @@ class BlendConfig:
     # keys were computed without the other chunks before them and draw more attention than they
     # would in a full prefill. 1.0 leaves attention exact; fresh keys are never touched.
     stale_key_scale: float = 1.0
+    # The attention probe walks only the first `probe_layers` layers (None: all) and sums the
+    # suffix's attention there; the blend pass loads the rest. Its cost is a reuse pass's, pro rata.
+    probe_layers: int | None = None
 
     def __post_init__(self):
+        if self.probe_layers is not None and self.probe_layers < 1:
+            raise ValueError(f"probe_layers must be >= 1 (or None for every layer), got {self.probe_layers}")
         if not 0 < self.stale_key_scale <= 1:
             raise ValueError(f"stale_key_scale must be in (0, 1], got {self.stale_key_scale}")
         if len(self.ratios) == 1 and len(self.check_layers) > 1:
@@ -165,14 +170,15 @@ class StaleBias:
 
 def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, active: torch.Tensor,
                load_from: int, stale: StaleBias, selector: Selector | None = None,
-               watch: torch.Tensor | None = None) -> Pass:
+               watch: torch.Tensor | None = None, n_layers: int | None = None) -> Pass:
     """Every layer over the active rows, loading cached chunk KV from layer `load_from` on; the
     selector narrows the rows at its check layers. `watch` (a mask over the rows; no selector)
-    sums the attention those rows pay each position, over layers."""
+    sums the attention those rows pay each position, over layers. A pass may stop early, after
+    `n_layers` layers."""
     T = cache.length
     mass = torch.zeros(T, device=runner.device) if watch is not None else None
     computed = 0
-    for layer in range(runner.n_layers):
+    for layer in range(runner.n_layers if n_layers is None else n_layers):
         if layer >= load_from:
             loader.load_layer(layer)
         q, k, v = runner.qkv(layer, rows)
@@ -227,11 +233,13 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
         load_from, active = min(checks), pos[P:]  # fresh K for all rows up to the first check
         if cfg.weight_by_attention:
             # A reuse pass first, over the must-compute rows only: what its suffix rows attend to
-            # is what the question reads. It loads every layer's chunk KV, so the blend pass
-            # after it loads nothing, and overwrites every row the probe computed.
+            # is what the question reads. It loads the chunk KV of the layers it walks, so the
+            # blend pass loads only the rest, and overwrites every row the probe computed.
             watch = must >= min(plan.segments.suffix[0], T - 1)
-            probe = run_layers(runner, cache, loader, runner.rows(ids[must], must), must, 0, stale, watch=watch)
-            computed, attention, load_from = probe.computed, probe.attention, runner.n_layers
+            depth = min(cfg.probe_layers or runner.n_layers, runner.n_layers)
+            probe = run_layers(runner, cache, loader, runner.rows(ids[must], must), must, 0, stale, watch=watch,
+                               n_layers=depth)
+            computed, attention, load_from = probe.computed, probe.attention, max(depth, load_from)
     else:
         load_from, active = 0, must  # reuse: only the must-compute rows
     selector = Selector(checks, cfg, reused, attention) if checks else None
