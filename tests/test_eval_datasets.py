@@ -165,8 +165,8 @@ def test_missing_fields(tmp_path):
 
 
 def test_offset_skips_records_and_keeps_each_record_the_same(tmp_path):
-    items = [{"question": f"q{i}?", "answers": [f"a{i}"], "ctxs": [{"title": "", "text": f"p{i}"}, {"title": "", "text": "x"}]}
-             for i in range(6)]
+    items = [{"question": f"q{i}?", "answers": [f"a{i}"],
+              "ctxs": [{"title": "", "text": f"p{i}"}, {"title": "", "text": "x"}]} for i in range(6)]
     path = _write_json(tmp_path / "rag.json", items)
     assert [r.question for r in load_dataset(path, offset=2, limit=3)] == ["q2?", "q3?", "q4?"]
     assert [r.question for r in load_dataset(path, offset=4)] == ["q4?", "q5?"]
