@@ -17,6 +17,8 @@ from kvblend.api import RequestError
 from kvblend.blend.fusor import BlendConfig
 from kvblend.model.runner import KEY_BLOCK
 
+pytestmark = pytest.mark.real_model
+
 
 @pytest.fixture(scope="module")
 def llm():
