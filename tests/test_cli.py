@@ -18,9 +18,10 @@ def test_eval_writes_reports_and_keeps_the_invariants(tmp_path, capsys):
     data = tmp_path / "tiny.json"
     _tiny_dataset(data)
     out = tmp_path / "out"
-    assert main(["eval", "--data", str(data), "--modes", "prefix,reuse,blend", "--ratios", "0,1.0",
+    assert main(["eval", "--data", str(data), "--modes", "prefix,reuse,blend", "--ratios", "0,1.0", "--offset", "1",
                  "--answer-tokens", "6", "--tf-positions", "4", "--dtype", "float32", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
+    assert results["meta"]["n_prompts"] == 1 and results["meta"]["records"] == "1-1"
     rows = {(r["mode"], r["ratio"]): r for r in results["rows"]}
     assert set(rows) == {("full", None), ("prefix", None), ("reuse", None), ("blend", 0.0), ("blend", 1.0)}
     assert rows[("full", None)]["kl_answer"] == 0 and rows[("full", None)]["match_full"] == 1

@@ -10,6 +10,8 @@ from kvblend import LLM, SamplingParams
 from kvblend.config import Settings
 from kvblend.engine.engine import Engine, RequestError
 
+pytestmark = pytest.mark.real_model
+
 PROMPTS = ["What is the capital of France?", "Write a haiku about the sea.", "List three primary colors."]
 
 

@@ -162,3 +162,19 @@ def test_missing_fields(tmp_path):
     path = _write_jsonl(tmp_path / "lb.jsonl", [{"input": "", "context": "Passage 1:\nx"}])
     with pytest.raises(ValueError, match="'answers'"):
         load_dataset(path)
+
+
+def test_offset_skips_records_and_keeps_each_record_the_same(tmp_path):
+    items = [{"question": f"q{i}?", "answers": [f"a{i}"],
+              "ctxs": [{"title": "", "text": f"p{i}"}, {"title": "", "text": "x"}]} for i in range(6)]
+    path = _write_json(tmp_path / "rag.json", items)
+    assert [r.question for r in load_dataset(path, offset=2, limit=3)] == ["q2?", "q3?", "q4?"]
+    assert [r.question for r in load_dataset(path, offset=4)] == ["q4?", "q5?"]
+    assert [r.question for r in load_dataset(path, offset=5, limit=10)] == ["q5?"]
+    with pytest.raises(ValueError, match="offset 6 skips all of its 6 records"):
+        load_dataset(path, offset=6)
+    with pytest.raises(ValueError, match="offset must be >= 0"):
+        load_dataset(path, offset=-1)
+    # NQ draws distractors record by record: an offset run holds the records of the longer run.
+    nq = _write_jsonl(tmp_path / "nq.jsonl", _nq_items(12))
+    assert load_dataset(nq, nq_k=4, offset=5, limit=3) == load_dataset(nq, nq_k=4, limit=8)[5:]

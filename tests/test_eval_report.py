@@ -48,8 +48,8 @@ def test_write_report(tmp_path):
     rows = [_row("full", ttft_ratio=1.0), _row("prefix"), _row("reuse", kl=0.3),
             _row("blend", 0.3, kl=0.07), _row("blend", 0.15, kl=0.09)]
     paths = write_report(_results(rows), tmp_path / "out")
-    assert set(paths) == {"json", "md", "png"}
-    assert [p.name for p in paths.values()] == ["results.json", "report.md", "report.png"]
+    assert set(paths) == {"json", "md", "png", "frontier"}
+    assert [p.name for p in paths.values()] == ["results.json", "report.md", "report.png", "frontier.png"]
     assert json.loads(paths["json"].read_text()) == _results(rows)
     md = paths["md"].read_text()
     assert md.startswith("# ") and "tiny.json" in md
@@ -57,13 +57,14 @@ def test_write_report(tmp_path):
     for label in ("| full |", "| prefix |", "| reuse |", "| blend 15% |", "| blend 30% |"):
         assert label in md
     assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert paths["frontier"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 def test_write_report_without_blend_rows(tmp_path):
     paths = write_report(_results([_row("full"), _row("reuse")]), tmp_path)
     assert paths["png"].stat().st_size > 1000
     paths = write_report(_results([]), tmp_path / "empty")
-    assert paths["png"].exists() and "| mode |" in paths["md"].read_text()
+    assert paths["png"].exists() and paths["frontier"].exists() and "| mode |" in paths["md"].read_text()
 
 
 def test_write_report_numpy_values(tmp_path):

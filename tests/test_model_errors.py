@@ -34,6 +34,15 @@ def test_unsupported_architecture_is_named(tmp_path):
         load_model(str(tmp_path))
 
 
+def test_gemma3_variants_the_runner_cannot_run_are_refused():
+    from kvblend.model.loader import from_hf
+
+    with pytest.raises(ModelLoadError, match="soft-caps attention logits"):
+        from_hf(tiny_hf("gemma3", attn_logit_softcapping=50.0))
+    with pytest.raises(ModelLoadError, match="bidirectional"):
+        from_hf(tiny_hf("gemma3", use_bidirectional_attention=True))
+
+
 def test_safetensors_folder_loads_and_fingerprint_tracks_weights_and_dtype(tmp_path):
     hf = tiny_hf("qwen2")
     hf.save_pretrained(tmp_path / "a")

@@ -33,10 +33,11 @@ def test_scattered_rows_and_decode_match_transformers(family):
     torch.testing.assert_close(torch.cat(steps), ref[80:], atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 def test_rerotation_moves_k_to_new_positions(family):
     """A chunk computed at offset p, its K re-rotated to q, equals the chunk computed at q with
-    the same left context; V needs no change."""
+    the same left context; V needs no change. Gemma 3 moves each layer with its own rotary (local
+    base for sliding-window layers, a scaled global one for full layers): one rotary for all fails."""
     m = tiny_model(family, seed=5)
     runner = Runner(m)
     ids = torch.randint(0, m.config.vocab_size, (30,), generator=torch.Generator().manual_seed(4))
@@ -47,10 +48,46 @@ def test_rerotation_moves_k_to_new_positions(family):
     runner.forward(ids, torch.arange(q, q + 30), at_q)
     k_p, v_p = at_p.k[:, :, p:p + 30], at_p.v[:, :, p:p + 30]
     k_q, v_q = at_q.k[:, :, q:q + 30], at_q.v[:, :, q:q + 30]
-    moved = runner.rotary.rerotate(k_p, torch.full((30,), q - p))
+    tables = runner.shift_tables(torch.full((30,), q - p), k_p.device)
+    moved = torch.stack([runner.rerotate(layer, k_p[layer], tables) for layer in range(runner.n_layers)])
     torch.testing.assert_close(moved, k_q, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(v_p, v_q, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(k_p, k_q, atol=1e-2)  # the rotation really was needed
+    if family == "gemma3":  # the layer types really rotate differently
+        assert len(set(runner.layer_rope)) == 2
+        one = runner.rotaries["sliding_attention"].rerotate(k_p, torch.full((30,), q - p))
+        full_layer = runner.layer_rope.index("full_attention")
+        assert not torch.allclose(one[full_layer], k_q[full_layer], atol=1e-2)
+
+
+def test_sliding_window_layers_read_only_their_window():
+    """Gemma 3's sliding-window layers never read keys older than their window (in a block of rows
+    far into the prompt, and in decode): poisoning those keys with NaN changes nothing, so that
+    attention work there is skipped. Full-attention layers still read everything."""
+    from tiny_models import GEMMA_WINDOW
+
+    m = tiny_model("gemma3", seed=6, max_position_embeddings=2048)
+    runner = Runner(m)
+    n = 1210
+    ids = torch.randint(0, m.config.vocab_size, (n,), generator=torch.Generator().manual_seed(6))
+    ref = m.hf(ids[None]).logits[0]
+    sliding = [i for i, w in enumerate(runner.windows) if w is not None]
+    assert runner.windows == [GEMMA_WINDOW, GEMMA_WINDOW, None, GEMMA_WINDOW]
+    cache = runner.new_cache(n)
+    runner.forward(ids[:1100], torch.arange(1100), cache)
+    # Rows from 1100 on read keys from the key block holding 1100 - window + 1 (1024) at the earliest.
+    cache.k[sliding, :, :1024] = float("nan")
+    cache.v[sliding, :, :1024] = float("nan")
+    block = runner.forward(ids[1100:1200], torch.arange(1100, 1200), cache, logit_rows=slice(None))
+    # Decode reads exactly the last `window` keys.
+    cache.k[sliding, :, :1200 - GEMMA_WINDOW + 1] = float("nan")
+    cache.v[sliding, :, :1200 - GEMMA_WINDOW + 1] = float("nan")
+    steps = torch.cat([runner.forward(ids[i:i + 1], torch.tensor([i]), cache) for i in range(1200, n)])
+    torch.testing.assert_close(block, ref[1100:1200], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(steps, ref[1200:], atol=1e-5, rtol=1e-5)
+    # The same poison in the full-attention layer is read: the test can see a read.
+    cache.k[2, :, :10] = float("nan")
+    assert runner.forward(ids[n - 1:], torch.tensor([n - 1]), cache).isnan().all()
 
 
 def test_rerotation_gate_accepts_static_rope_and_rejects_dynamic():
@@ -60,6 +97,17 @@ def test_rerotation_gate_accepts_static_rope_and_rejects_dynamic():
     dynamic = tiny_model("llama", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
     ok, why = check_rerotation(dynamic.hf, 512)
     assert not ok and "dynamic" in why
+
+
+def test_rerotation_gate_checks_every_layer_types_rotary():
+    assert check_rerotation(tiny_model("gemma3").hf, 512) == (True, "ok")
+    m = tiny_model("gemma3")
+    rot = m.hf.model.rotary_emb
+    original = rot.forward
+    # Full-attention layers' rotation no longer what their inverse frequencies say.
+    rot.forward = lambda x, pos, layer_type: original(x, pos * (2 if layer_type == "full_attention" else 1), layer_type)
+    ok, why = check_rerotation(m.hf, 512)
+    assert not ok and why.startswith("full_attention layers")
 
 
 def test_rerotation_gate_catches_a_module_whose_frequencies_differ():

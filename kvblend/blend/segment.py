@@ -91,9 +91,11 @@ def rag_prompt_ids(tokenizer, sep: Sequence[int], system: str, question: str,
     if getattr(tokenizer, "chat_template", None):
         messages = [{"role": "system", "content": system}, {"role": "user", "content": _DOCS_MARK + question}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        head_specials = False  # the template writes BOS itself where the model wants one
     else:
         text = f"{system}\n{_DOCS_MARK}{question}\nAnswer:"
+        head_specials = True  # BOS where the tokenizer adds one (Gemma 3 base reads garbage without it)
     head, tail = text.split(_DOCS_MARK)
     docs = [tokenizer.encode(d, add_special_tokens=False) for d in documents]
-    return join_segments(tokenizer.encode(head, add_special_tokens=False), docs,
+    return join_segments(tokenizer.encode(head, add_special_tokens=head_specials), docs,
                          tokenizer.encode(tail, add_special_tokens=False), sep)

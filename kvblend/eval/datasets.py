@@ -61,26 +61,42 @@ def load_dataset(
     nq_k: int = 10,
     nq_gold_pos: int = 0,
     seed: int = 0,
+    offset: int = 0,
 ) -> list[RagRecord]:
-    """Load a RAG dataset file of any supported format; `limit` keeps the first N records.
+    """Load a RAG dataset file of any supported format: `limit` records from record `offset` on
+    (all of them by default), so settings can be chosen on some records and reported on others
+    (e.g. tuned on 30-59, reported on 0-29). Records [offset, offset + limit) are those that
+    `limit=offset + limit` gives, minus the first `offset`.
 
     For NQ-open, each prompt has `nq_k` passages with its gold one at `nq_gold_pos` (clamped to
     0..k-1); distractors are drawn with `random.Random(seed)` from the gold passages of the
-    first max(limit, nq_k) records, so passages recur across prompts as they do on a RAG server.
+    first max(offset + limit, nq_k) records, so passages recur across prompts as they do on a RAG server.
     """
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"dataset file not found: {path}")
     if limit is not None and limit < 0:
         raise ValueError(f"limit must be >= 0, got {limit}")
+    if offset < 0:
+        raise ValueError(f"offset must be >= 0, got {offset}")
     items, is_json_list = _read_items(path)
     if not items:
         raise ValueError(f"{path}: no records")
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise ValueError(f"{path}: record {i} is a {type(item).__name__}, expected a JSON object")
+    if offset >= len(items):
+        raise ValueError(f"{path}: offset {offset} skips all of its {len(items)} records")
+    # Records up to the last one asked for are built, then the first `offset` dropped: NQ draws
+    # each record's distractors in order, so that is what keeps record i the same.
+    n = len(items) if limit is None else offset + limit
+    return _records(path, items, is_json_list, n, nq_k, nq_gold_pos, seed)[offset:]
 
-    n = len(items) if limit is None else min(limit, len(items))
+
+def _records(path: Path, items: list, is_json_list: bool, n: int, nq_k: int, nq_gold_pos: int,
+             seed: int) -> list[RagRecord]:
+    """The first n records (fewer if the file has fewer), in the file's format."""
+    n = min(n, len(items))
     first = items[0]
     if "context" in first and "input" in first:
         return [_longbench_record(path, i, it) for i, it in enumerate(items[:n])]

@@ -1,10 +1,13 @@
-"""Eval reports: results.json, a markdown table (report.md) and a plot (report.png)."""
+"""Eval reports: results.json, a markdown table (report.md), quality and TTFT against the recompute
+ratio (report.png) and the quality / speed frontier (frontier.png, see frontier.py)."""
 
 from __future__ import annotations
 
 import json
 import math
 from pathlib import Path
+
+from .frontier import write_frontier
 
 # (row key, column title, format) for the quality and speed columns of the table.
 _COLUMNS = [
@@ -61,7 +64,7 @@ def _json_default(obj):
     return str(obj)
 
 
-def _markdown(results: dict, png_name: str) -> str:
+def _markdown(results: dict, png_name: str, frontier_name: str) -> str:
     meta = results.get("meta", {})
     lines = [f"# kvblend eval: {meta.get('dataset', 'unknown dataset')}", ""]
     for key, value in meta.items():
@@ -74,6 +77,8 @@ def _markdown(results: dict, png_name: str) -> str:
         "top1_agree: share of those positions with full's argmax; kl_first: KL at the first one; "
         "rougeL_vs_full / match_full: the mode's own greedy answer against full's; "
         "gold: task score against the gold answers; speed-up: full TTFT / mode TTFT.",
+        "",
+        f"![quality against TTFT speed-up over full, one curve per method]({frontier_name})",
         "",
         f"![quality and TTFT against recompute ratio]({png_name})",
         "",
@@ -148,11 +153,13 @@ def _plot(results: dict, path: Path) -> None:
 
 
 def write_report(results: dict, out_dir: Path) -> dict[str, Path]:
-    """Write results.json, report.md and report.png into `out_dir`; returns their paths."""
+    """Write results.json, report.md, report.png and frontier.png into `out_dir`; returns their paths."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    paths = {"json": out_dir / "results.json", "md": out_dir / "report.md", "png": out_dir / "report.png"}
+    paths = {"json": out_dir / "results.json", "md": out_dir / "report.md", "png": out_dir / "report.png",
+             "frontier": out_dir / "frontier.png"}
     paths["json"].write_text(json.dumps(results, indent=2, default=_json_default) + "\n")
-    paths["md"].write_text(_markdown(results, paths["png"].name))
+    paths["md"].write_text(_markdown(results, paths["png"].name, paths["frontier"].name))
     _plot(results, paths["png"])
+    write_frontier(results, paths["frontier"])
     return paths

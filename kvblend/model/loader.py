@@ -170,6 +170,8 @@ def check_architecture(config, name: str) -> None:
         )
     if getattr(config, "use_bidirectional_attention", False):  # gemma3 as an encoder: not causal
         raise ModelLoadError(f"model {name!r} uses bidirectional attention; kvblend serves causal models only")
+    if getattr(config, "attn_logit_softcapping", None):  # the runner's SDPA attention has no cap
+        raise ModelLoadError(f"model {name!r} soft-caps attention logits, which kvblend's attention does not do")
 
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "auto") -> LoadedModel:
