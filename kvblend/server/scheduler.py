@@ -119,6 +119,7 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvblend-engine", daemon=True)
         self.steps = 0
+        self.peak_batch = 0  # most sequences decoded in one step so far
 
     # ---- the handlers' side -------------------------------------------------------------------
 
@@ -228,6 +229,7 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         batch = list(self.running)
+        self.peak_batch = max(self.peak_batch, len(batch))
         try:
             logits = self.engine.runner.decode([s.tokens[-1] for s in batch], [s.position for s in batch],
                                                [s.cache for s in batch])
