@@ -124,8 +124,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                               "documents")
 
     def generation(body: Sampling, ids: list[int], max_tokens: int | None, default_max: int, ns: str) -> Request:
-        if max_tokens is None:
-            max_tokens = max(1, min(default_max, engine.max_len - len(ids)))
+        if max_tokens is None:  # unset: the default, as far as the server's limit and the context allow
+            max_tokens = max(1, min(default_max, config.max_tokens, engine.max_len - len(ids)))
         if max_tokens > config.max_tokens:
             raise bad_request(f"max_tokens {max_tokens} is over this server's limit of {config.max_tokens}",
                               "max_tokens")
