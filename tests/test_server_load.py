@@ -77,26 +77,29 @@ def test_clients_leaving_mid_request_free_their_kv():
         body = {"model": MODEL_NAME, "prompt": "Tell me a long story about the sea", "max_tokens": 900,
                 "temperature": 0}
         client = httpx.Client(base_url=url, timeout=60)
+        # A non-streaming client that leaves while its request is being decoded.
+        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
+            payload = httpx.Request("POST", url + "/v1/completions", json=body).content
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(payload), payload))
+            deadline = time.monotonic() + 60
+            while httpx.get(url + "/health").json()["running"] < 1:
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.01)
+        assert wait_idle(url)["kv_bytes"] == 0
+        assert metric(url, "kvblend_requests_cancelled_total") == 1
+        # Streaming clients that leave after their first token.
         streams = []
         for _ in range(4):
             ctx = client.stream("POST", "/v1/completions", json={**body, "stream": True})
-            r = ctx.__enter__()
-            lines = r.iter_lines()
+            lines = ctx.__enter__().iter_lines()
             while not next(lines).startswith("data: "):  # the first token has arrived: it is running
                 pass
             streams.append(ctx)
         assert httpx.get(url + "/health").json()["running"] >= 1
         for ctx in streams:
             ctx.__exit__(None, None, None)  # the client goes away mid-stream
-        # A non-streaming client that leaves right after sending its request.
-        with socket.create_connection(("127.0.0.1", int(url.rsplit(":", 1)[1]))) as sock:
-            payload = httpx.Request("POST", url + "/v1/completions", json=body)
-            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" \
-                   f"Content-Length: {len(payload.content)}\r\n\r\n"
-            sock.sendall(head.encode() + payload.content)
-            time.sleep(0.05)
-        health = wait_idle(url)
-        assert health["kv_bytes"] == 0
+        assert wait_idle(url)["kv_bytes"] == 0
         assert metric(url, "kvblend_requests_cancelled_total") == 5
         # And the server still answers, correctly.
         ok = client.post("/v1/completions", json={**body, "max_tokens": 5})
