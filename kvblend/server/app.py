@@ -8,11 +8,9 @@ import asyncio
 import dataclasses
 import hashlib
 import hmac
-import json
 import logging
 import queue
 import time
-import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from importlib import resources
@@ -26,9 +24,11 @@ from starlette.exceptions import HTTPException
 from ..engine.engine import Engine, RequestError
 from ..engine.sampler import SamplingParams
 from . import prompts
-from .errors import APIError, bad_request, internal, not_found, overloaded, too_large, unauthorized
-from .metrics import ServerMetrics
-from .scheduler import Done, Failed, Prefilled, Request, Scheduler, Token
+from .errors import APIError, bad_request, internal, not_found, overloaded, unauthorized
+from .http_input import read_json, validation_error, wait_disconnect
+from .metrics import MetricsMiddleware, ServerMetrics
+from .replies import Reply
+from .scheduler import Request, Scheduler
 from .schemas import NAMESPACE_PATTERN, ChatRequest, ChunksRequest, CompletionRequest, Sampling
 from .text_stream import TextStream
 
@@ -76,7 +76,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation(_req, e: RequestValidationError):
         err = e.errors()[0] if e.errors() else {"loc": (), "msg": "invalid request"}
-        return _validation_error(err).response()
+        return validation_error(err).response()
 
     @app.exception_handler(HTTPException)
     async def _http(_req, e: HTTPException):
@@ -111,7 +111,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         try:
             return schema.model_validate(data)
         except ValidationError as e:
-            raise _validation_error(e.errors()[0]) from None
+            raise validation_error(e.errors()[0]) from None
 
     def check_model(name: str) -> None:
         if name != config.model_name:
@@ -261,170 +261,3 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         return HTMLResponse(resources.files("kvblend.server").joinpath("page.html").read_text(encoding="utf-8"))
 
     return app
-
-
-class Reply:
-    """One request's answer, as a JSON body or as server-sent events in OpenAI's chunk format."""
-
-    def __init__(self, req: Request, text: TextStream, kind: str, model: str, metrics: ServerMetrics):
-        self.req, self.text, self.kind, self.model, self.metrics = req, text, kind, model, metrics
-        self.id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
-        self.created = int(time.time())
-        self.prompt_metrics = None
-        self.n_tokens = 0
-
-    async def pieces(self):
-        """Text pieces as tokens arrive; ends with ("finish", reason)."""
-        while True:
-            event = await self.req.events.get()
-            if isinstance(event, Prefilled):
-                self.prompt_metrics = event.metrics
-            elif isinstance(event, Token):
-                self.n_tokens += 1
-                piece = self.text.push(event.id)
-                if piece:
-                    yield "text", piece
-                if self.text.stopped:
-                    self.req.cancel()  # a stop string ended it: the engine drops it next step
-                    yield "finish", "stop"
-                    return
-            elif isinstance(event, Done):
-                self.prompt_metrics, self.n_tokens = event.metrics, event.metrics.decode_tokens
-                tail = self.text.flush()
-                if tail:
-                    yield "text", tail
-                yield "finish", event.finish_reason
-                return
-            else:
-                assert isinstance(event, Failed)
-                raise APIError(event.status, event.message, type="server_error" if event.status >= 500
-                               else "invalid_request_error")
-
-    def finish(self) -> dict:
-        """usage and kvblend's metrics for the last message; records the request's latency."""
-        m = self.prompt_metrics
-        n_prompt = len(self.req.token_ids)
-        self.metrics.e2e.labels(self.req.mode).observe(time.perf_counter() - self.req.arrival)
-        return {
-            "usage": {"prompt_tokens": n_prompt, "completion_tokens": self.n_tokens,
-                      "total_tokens": n_prompt + self.n_tokens},
-            "kvblend": {"mode": m.mode, "ttft_s": m.ttft_s, "prefix_hit_tokens": m.prefix_hit_tokens,
-                        "reused_tokens": m.reused_tokens, "recomputed_tokens": m.recomputed_tokens,
-                        "chunk_hits": m.chunk_hits, "chunk_misses": m.chunk_misses,
-                        "compute_frac": m.compute_frac},
-        }
-
-    async def collect(self) -> dict:
-        texts, finish = [], "length"
-        async for what, value in self.pieces():
-            if what == "text":
-                texts.append(value)
-            else:
-                finish = value
-        text = "".join(texts)
-        if self.kind == "text_completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
-        else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": finish}
-        return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
-                "choices": [choice], **self.finish()}
-
-    def _chunk(self, piece: str | None, finish: str | None, role: bool = False) -> dict:
-        if self.kind == "text_completion":
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
-            kind = "text_completion"
-        else:
-            delta = {} if piece is None else {"content": piece}
-            if role:
-                delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            kind = "chat.completion.chunk"
-        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
-
-    async def sse(self):
-        def event(data: dict) -> str:
-            return f"data: {json.dumps(data, ensure_ascii=False)}\n\n"
-
-        try:
-            if self.kind != "text_completion":
-                yield event(self._chunk("", None, role=True))
-            try:
-                async for what, value in self.pieces():
-                    if what == "text":
-                        yield event(self._chunk(value, None))
-                    else:
-                        yield event({**self._chunk(None, value), **self.finish()})
-            except APIError as e:  # the status line is gone already: the error travels as an event
-                yield event(e.body())
-            yield "data: [DONE]\n\n"
-        finally:
-            self.req.cancel()  # no-op when finished; frees the KV when the client left mid-stream
-
-
-class MetricsMiddleware:
-    """Counts every response by route template and status code (raw ASGI, so streams pass untouched)."""
-
-    def __init__(self, app, metrics: ServerMetrics):
-        self.app, self.metrics = app, metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        status = [500]
-
-        async def send_status(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            route = getattr(scope.get("route"), "path", "unmatched")
-            code = str(status[0])
-            self.metrics.requests.labels(route, scope.get("method", ""), code).inc()
-            if status[0] >= 400:
-                self.metrics.errors.labels(route, code).inc()
-
-
-async def read_json(request: HTTPRequest, limit: int) -> dict:
-    """The body as a JSON object, read no further than `limit` bytes."""
-    length = request.headers.get("content-length")
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        raise too_large(limit)
-    body = bytearray()
-    async for piece in request.stream():
-        body += piece
-        if len(body) > limit:
-            raise too_large(limit)
-    try:
-        text = body.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise bad_request(f"request body is not valid UTF-8 (byte {e.start})", code="invalid_utf8") from None
-    try:
-        data = json.loads(text, parse_constant=_no_constant)
-        json.dumps(data, ensure_ascii=False).encode("utf-8")  # lone surrogates ("\ud800") fail here
-    except (ValueError, RecursionError) as e:
-        raise bad_request(f"request body is not valid JSON: {e}", code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad_request("request body must be a JSON object", code="invalid_json")
-    return data
-
-
-def _no_constant(name: str):
-    raise ValueError(f"{name} is not a JSON number")
-
-
-def _validation_error(err: dict) -> APIError:
-    loc = [str(part) for part in err.get("loc", ()) if part not in ("body",)]
-    param = ".".join(loc) or None
-    return bad_request(f"{param}: {err['msg']}" if param else err["msg"], param)
-
-
-async def wait_disconnect(request: HTTPRequest) -> None:
-    """Returns when the client goes away (the body is read already: the next message is the disconnect)."""
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return
