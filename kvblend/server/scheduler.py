@@ -115,7 +115,6 @@ class Scheduler:
         self.max_queue, self.max_batch = max_queue, max_batch
         self.waiting: queue.Queue = queue.Queue(maxsize=max_queue)
         self.running: list[Sequence] = []
-        self._keys = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvblend-engine", daemon=True)
         self.steps = 0
@@ -165,20 +164,28 @@ class Scheduler:
             if self.running:
                 self._decode_step()
             self.steps += 1
-        for seq in self.running:  # shutting down: tell whoever still listens
+        # Shutting down: tell whoever still listens.
+        for seq in self.running:
             seq.request.emit(Failed(503, "the server is shutting down"))
         self.running.clear()
+        while True:
+            try:
+                item = self.waiting.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(item, Job):
+                item.future.cancel()
+            else:
+                item.emit(Failed(503, "the server is shutting down"))
 
     @contextmanager
     def _namespace(self, namespace: str):
         """Chunk and prefix keys of this request's namespace. Only this thread uses the engine, so
         swapping its key scheme for one call is safe; tenants never share cached KV."""
         engine = self.engine
-        if namespace not in self._keys:
-            keys = copy.copy(engine.keys)
-            keys.namespace = namespace
-            self._keys[namespace] = keys
-        saved, engine.keys = engine.keys, self._keys[namespace]
+        keys = copy.copy(engine.keys)  # cheap: a few fields (no cache per namespace to grow unbounded)
+        keys.namespace = namespace
+        saved, engine.keys = engine.keys, keys
         try:
             yield
         finally:
