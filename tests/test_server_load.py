@@ -42,7 +42,7 @@ def wait_idle(url, timeout=60):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         health = httpx.get(url + "/health").json()
-        if health["running"] == 0 and health["queue_depth"] == 0:
+        if health["running"] == 0 and health["queue_depth"] == 0:  # running: prefilling too
             return health
         time.sleep(0.05)
     raise AssertionError(f"server still busy after {timeout}s: {health}")
@@ -128,4 +128,24 @@ def test_a_full_queue_answers_429():
         ctx.__exit__(None, None, None)  # A leaves; B gets its turn
         waiter.join(timeout=120)
         assert queued["r"].status_code == 200 and queued["r"].json()["usage"]["completion_tokens"] == 3
+        assert wait_idle(url)["kv_bytes"] == 0
+
+
+def test_a_long_full_prefill_runs_in_pieces_beside_a_stream_and_answers_as_one_pass():
+    with live_server(max_tokens=64) as (url, app):
+        scheduler = app.state.scheduler
+        scheduler.prefill_piece = 512  # the runner's key block: the 800-token prompt takes two pieces
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        long = {"prompt": list(range(1000, 1800)), "max_tokens": 8, "temperature": 0}
+        one_pass = client.completions.create(model=MODEL_NAME, extra_body={"kvblend": {"mode": "prefix"}}, **long)
+        assert scheduler.prefill_pieces == 0
+        short = {"prompt": "Tell me a story", "max_tokens": 40, "temperature": 0}
+        alone = stream_text(client, short)
+        with ThreadPoolExecutor(2) as pool:
+            beside = pool.submit(stream_text, client, short)
+            pieces = client.completions.create(model=MODEL_NAME, extra_body={"kvblend": {"mode": "full"}}, **long)
+            assert beside.result(timeout=120) == alone
+        assert scheduler.prefill_pieces == 2
+        assert pieces.choices[0].text == one_pass.choices[0].text
+        assert pieces.model_extra["kvblend"]["recomputed_tokens"] == 800
         assert wait_idle(url)["kv_bytes"] == 0

@@ -50,7 +50,7 @@ class ServerConfig:
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     metrics = ServerMetrics()
     scheduler = Scheduler(engine, metrics, config.max_queue, config.max_batch)
-    metrics.watch(lambda: scheduler.queue_depth, lambda: len(scheduler.running), lambda: scheduler.kv_bytes,
+    metrics.watch(lambda: scheduler.queue_depth, lambda: scheduler.active, lambda: scheduler.kv_bytes,
                   lambda: engine.store.used_bytes, lambda: len(engine.store))
     tokenizer = engine.tokenizer
     chunks: dict[str, dict] = {}  # key -> {key, namespace, n_tokens, created}: what /v1/chunks stored
@@ -246,7 +246,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": config.model_name, "queue_depth": scheduler.queue_depth,
-                "running": len(scheduler.running), "kv_bytes": scheduler.kv_bytes,
+                "running": scheduler.active, "kv_bytes": scheduler.kv_bytes,
                 "store_bytes": engine.store.used_bytes, "store_entries": len(engine.store),
                 "chat_template": "model" if prompts.has_chat_template(tokenizer) else "fallback",
                 "blend_available": engine.rerotation_ok}

@@ -29,7 +29,7 @@ class ServerMetrics:
         self.chunk_misses = Counter("kvblend_chunk_misses", "chunks not found in the store", registry=r)
         self.cancelled = Counter("kvblend_requests_cancelled", "requests ended early: the client went away, or a stop string ended them", registry=r)
         self.queue_depth = Gauge("kvblend_queue_depth", "requests waiting for the engine", registry=r)
-        self.running = Gauge("kvblend_running_requests", "requests being decoded", registry=r)
+        self.running = Gauge("kvblend_running_requests", "requests past the queue (prefilling or decoding)", registry=r)
         self.kv_bytes = Gauge("kvblend_kv_bytes", "bytes of KV cache held by running requests", registry=r)
         self.store_bytes = Gauge("kvblend_store_bytes", "bytes held by the chunk store", registry=r)
         self.store_entries = Gauge("kvblend_store_entries", "entries in the chunk store", registry=r)

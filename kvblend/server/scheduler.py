@@ -3,8 +3,10 @@ and read token ids out.
 
 Each step admits at most one waiting request (its prefill, or a job such as precomputing chunks),
 then runs one decode step for every running request as one batch (Runner.decode: shared
-projections and MLP, attention per sequence). So a prefill stalls the streams for one prefill at
-most, and a stream's tokens do not depend on what else is running.
+projections and MLP, attention per sequence). A full prefill longer than PREFILL_PIECE tokens runs
+one piece per step, so a long prompt does not stall the streams for its whole prefill (a blend
+plan runs in one step: it is short, which is the point). A stream's tokens do not depend on what
+else is running.
 
 Requests wait in a bounded queue (full: the handler answers 429). A cancelled request (its client
 went away, or a stop string ended it) leaves the batch at the next step and its KV is freed.
@@ -28,7 +30,7 @@ import torch
 from ..blend.fusor import BlendConfig
 from ..engine.engine import Engine, RequestError, RequestMetrics
 from ..engine.sampler import Sampler, SamplingParams
-from ..model.runner import KVCache
+from ..model.runner import KEY_BLOCK, KVCache
 from .metrics import ServerMetrics
 
 log = logging.getLogger(__name__)
@@ -109,16 +111,42 @@ class Sequence:
         return len(self.request.token_ids) + len(self.tokens) - 1
 
 
+# Tokens of a full prefill per step. A multiple of the runner's key block: pieces that end on block
+# boundaries give bit-identical KV and logits to one pass (see runner.KEY_BLOCK).
+PREFILL_PIECE = 2 * KEY_BLOCK
+
+
+@dataclass
+class PiecewisePrefill:
+    """A full prefill in progress: rows [0, done) are in the cache."""
+
+    request: Request
+    cache: KVCache
+    done: int = 0
+
+
+def prefill_piece(runner, job: PiecewisePrefill, piece: int) -> torch.Tensor | None:
+    """Compute the next `piece` rows of a full prefill; the last row's logits once all are done."""
+    ids = job.request.token_ids
+    end = min(job.done + piece, len(ids))
+    logits = runner.forward(torch.tensor(ids[job.done:end]), torch.arange(job.done, end), job.cache)
+    job.done = end
+    return logits[0] if end == len(ids) else None
+
+
 class Scheduler:
     def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 64, max_batch: int = 32):
         self.engine, self.metrics = engine, metrics
         self.max_queue, self.max_batch = max_queue, max_batch
         self.waiting: queue.Queue = queue.Queue(maxsize=max_queue)
         self.running: list[Sequence] = []
+        self.prefilling: PiecewisePrefill | None = None  # a long full prefill, one piece per step
+        self.prefill_piece = PREFILL_PIECE
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvblend-engine", daemon=True)
         self.steps = 0
         self.peak_batch = 0  # most sequences decoded in one step so far
+        self.prefill_pieces = 0  # pieces of piecewise full prefills run so far
 
     # ---- the handlers' side -------------------------------------------------------------------
 
@@ -139,25 +167,37 @@ class Scheduler:
         return job.future
 
     @property
+    def active(self) -> int:
+        """Requests past the queue: decoding, or in a piecewise prefill."""
+        return len(self.running) + (self.prefilling is not None)
+
+    @property
     def queue_depth(self) -> int:
         return self.waiting.qsize()
 
     @property
     def kv_bytes(self) -> int:
-        caches = [s.cache for s in list(self.running)]  # read from other threads: a cache may just have gone
+        prefilling = self.prefilling  # read from other threads: a cache may just have gone
+        caches = [s.cache for s in list(self.running)] + [prefilling.cache if prefilling else None]
         return sum(c.k.nbytes + c.v.nbytes for c in caches if c is not None)
 
     # ---- the loop -------------------------------------------------------------------------------
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if len(self.running) < self.max_batch:
+            if self.prefilling is not None:
+                self._prefill_step()
+            elif len(self.running) < self.max_batch:
                 try:  # idle: wait for work; busy: only take what is already there
                     item = self.waiting.get(timeout=0.05) if not self.running else self.waiting.get_nowait()
                 except queue.Empty:
                     item = None
                 if isinstance(item, Job):
                     self._run_job(item)
+                elif item is not None and item.mode == "full" and len(item.token_ids) > self.prefill_piece:
+                    capacity = len(item.token_ids) + item.params.max_tokens
+                    self.prefilling = PiecewisePrefill(item, self.engine.runner.new_cache(capacity))
+                    self._prefill_step()
                 elif item is not None:
                     self._prefill(item)
             self._drop_cancelled()
@@ -165,6 +205,9 @@ class Scheduler:
                 self._decode_step()
             self.steps += 1
         # Shutting down: tell whoever still listens.
+        if self.prefilling is not None:
+            self.prefilling.request.emit(Failed(503, "the server is shutting down"))
+            self.prefilling = None
         for seq in self.running:
             seq.request.emit(Failed(503, "the server is shutting down"))
         self.running.clear()
@@ -228,8 +271,38 @@ class Scheduler:
             log.exception("prefill failed")
             req.emit(Failed(500, f"prefill failed: {type(e).__name__}: {e}"))
             return
+        self._start(req, out.cache, sampler, first, metrics)
+
+    def _prefill_step(self) -> None:
+        job = self.prefilling
+        req = job.request
+        if req.cancelled.is_set():
+            self.prefilling = None
+            self.metrics.cancelled.inc()
+            return
+        try:
+            with torch.inference_mode():
+                logits = prefill_piece(self.engine.runner, job, self.prefill_piece)
+                self.prefill_pieces += 1
+        except Exception as e:
+            log.exception("prefill failed")
+            self.prefilling = None
+            req.emit(Failed(500, f"prefill failed: {type(e).__name__}: {e}"))
+            return
+        if logits is None:
+            return
+        self.prefilling = None
+        sampler = Sampler(req.params)
+        first = sampler(logits)
+        n = len(req.token_ids)
+        metrics = RequestMetrics(mode="full", prompt_tokens=n, recomputed_tokens=n,
+                                 ttft_s=time.perf_counter() - req.arrival)
+        self._start(req, job.cache, sampler, first, metrics)
+
+    def _start(self, req: Request, cache: KVCache, sampler: Sampler, first: int, metrics: RequestMetrics) -> None:
+        """A prefilled request joins the running batch with its first token."""
         self.metrics.observe_prefill(req.mode, metrics.ttft_s, metrics)
-        seq = Sequence(req, out.cache, sampler, [first], metrics)
+        seq = Sequence(req, cache, sampler, [first], metrics)
         self.running.append(seq)
         req.emit(Prefilled(metrics))
         self._after_token(seq)
