@@ -126,6 +126,12 @@ BAD_FIELDS = [
     ({"model": MODEL_NAME, "prompt": "q", "kvblend": {"ratio": 0.5}}, "kvblend.ratio"),
     ({"model": MODEL_NAME, "prompt": "q", "namespace": "../other"}, "namespace"),
     ({"model": MODEL_NAME, "prompt": "word " * 2000}, "prompt"),
+    ({"model": MODEL_NAME, "prompt": "hi", "frequency_penalty": 0.5}, "frequency_penalty"),
+    ({"model": MODEL_NAME, "prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+    ({"model": MODEL_NAME, "prompt": "hi", "tools": [{"type": "function"}]}, "tools"),
+    ({"model": MODEL_NAME, "prompt": "hi", "response_format": {"type": "json_object"}}, "response_format"),
+    ({"model": MODEL_NAME, "prompt": "hi", "best_of": 3}, "best_of"),
+    ({"model": MODEL_NAME, "prompt": "hi", "suffix": "end"}, "suffix"),
 ]
 
 

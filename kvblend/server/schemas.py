@@ -56,6 +56,13 @@ class Sampling(Strict):
             raise ValueError("stop strings must be 1 to 256 characters long")
         return stops
 
+    # Accepted only at their no-op values: anything else would be silently ignored otherwise.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict | None = None
+    tools: list | None = None
+    response_format: dict | None = None
+
     @field_validator("logprobs")
     @classmethod
     def _no_logprobs(cls, value):
@@ -63,11 +70,34 @@ class Sampling(Strict):
             raise ValueError("logprobs are not supported")
         return value
 
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalty(cls, value):
+        if value != 0:
+            raise ValueError("penalties are not supported (only 0)")
+        return value
+
+    @field_validator("logit_bias", "tools")
+    @classmethod
+    def _not_supported(cls, value, info):
+        if value:
+            raise ValueError(f"{info.field_name} is not supported")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value):
+        if value and value.get("type", "text") != "text":
+            raise ValueError("only the text response format is supported")
+        return value
+
 
 class CompletionRequest(Sampling):
     # Text, token ids, or a list holding one text (OpenAI's batch form, with one prompt).
     prompt: Union[str, list[int], list[str]]
     echo: bool = False
+    best_of: int = Field(default=1, ge=1, le=1)
+    suffix: str | None = Field(default=None, max_length=0)
 
     @field_validator("prompt")
     @classmethod
