@@ -86,6 +86,7 @@ def test_documents_are_reused_chunks(client):
     again = client.completions.create(extra_body={"documents": DOCS[::-1], "namespace": "docs-test"}, **kw)
     m1, m2 = first.model_extra["kvblend"], again.model_extra["kvblend"]
     assert m1["mode"] == "blend" and m1["chunk_misses"] == 3 and m1["chunk_hits"] == 0
+    assert 0 <= m1["queue_s"] <= m1["ttft_s"]
     assert m2["chunk_hits"] == 3 and m2["reused_tokens"] > 0  # any order reuses every chunk
     assert m2["recomputed_tokens"] < again.usage.prompt_tokens
     full = client.completions.create(extra_body={"documents": DOCS, "namespace": "docs-test",

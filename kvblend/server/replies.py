@@ -58,7 +58,7 @@ class Reply:
         return {
             "usage": {"prompt_tokens": n_prompt, "completion_tokens": self.n_tokens,
                       "total_tokens": n_prompt + self.n_tokens},
-            "kvblend": {"mode": m.mode, "ttft_s": m.ttft_s, "prefix_hit_tokens": m.prefix_hit_tokens,
+            "kvblend": {"mode": m.mode, "ttft_s": m.ttft_s, "queue_s": self.req.admitted - self.req.arrival, "prefix_hit_tokens": m.prefix_hit_tokens,
                         "reused_tokens": m.reused_tokens, "recomputed_tokens": m.recomputed_tokens,
                         "chunk_hits": m.chunk_hits, "chunk_misses": m.chunk_misses,
                         "compute_frac": m.compute_frac},

@@ -68,6 +68,7 @@ class Request:
     namespace: str
     blend_cfg: BlendConfig | None = None
     arrival: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None  # when the engine loop took it from the queue
     loop: asyncio.AbstractEventLoop | None = None
     events: asyncio.Queue | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
@@ -192,6 +193,8 @@ class Scheduler:
                     item = self.waiting.get(timeout=0.05) if not self.running else self.waiting.get_nowait()
                 except queue.Empty:
                     item = None
+                if isinstance(item, Request):
+                    item.admitted = time.perf_counter()
                 if isinstance(item, Job):
                     self._run_job(item)
                 elif item is not None and item.mode == "full" and len(item.token_ids) > self.prefill_piece:
