@@ -230,12 +230,13 @@ class Runner:
         The rows share the projections and the MLP (one matmul for all); each attends its own
         cache. Returns logits [n, vocab].
 
-        Rows are padded to DECODE_MIN_ROWS: fp32 matmuls of 1-3 rows take another kernel path
-        and round differently, so a sequence's tokens would depend on how many others decode
-        beside it. From 4 rows up a row's result is the same at every batch size.
+        Rows are padded to a multiple of DECODE_ROW_BLOCK: the CPU fp32 matmul kernel works on
+        blocks of 4 rows, and the rows of a partial block (the 1-3 left over) go another path
+        that rounds differently, so a sequence's tokens would depend on how many others decode
+        beside it. In whole blocks a row's result is the same at every batch size and thread count.
         """
         n = len(token_ids)
-        pad = max(0, DECODE_MIN_ROWS - n)
+        pad = -n % DECODE_ROW_BLOCK
         ids = torch.tensor(token_ids + token_ids[:1] * pad, device=self.device)
         pos = torch.tensor(positions + positions[:1] * pad, device=self.device)
         for p, cache in zip(positions, caches):
@@ -253,8 +254,8 @@ class Runner:
         return self.logits(rows.h[:n])
 
 
-# See Runner.decode: the fewest rows at which a row's matmul result no longer depends on the count.
-DECODE_MIN_ROWS = 4
+# See Runner.decode: decode batches come in whole blocks of this many rows (the matmul kernel's block).
+DECODE_ROW_BLOCK = 4
 
 
 @dataclass
