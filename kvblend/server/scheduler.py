@@ -145,7 +145,6 @@ class Scheduler:
         self.prefill_piece = PREFILL_PIECE
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvblend-engine", daemon=True)
-        self.steps = 0
         self.peak_batch = 0  # most sequences decoded in one step so far
         self.prefill_pieces = 0  # pieces of piecewise full prefills run so far
 
@@ -189,25 +188,31 @@ class Scheduler:
             if self.prefilling is not None:
                 self._prefill_step()
             elif len(self.running) < self.max_batch:
-                try:  # idle: wait for work; busy: only take what is already there
-                    item = self.waiting.get(timeout=0.05) if not self.running else self.waiting.get_nowait()
-                except queue.Empty:
-                    item = None
-                if isinstance(item, Request):
-                    item.admitted = time.perf_counter()
-                if isinstance(item, Job):
-                    self._run_job(item)
-                elif item is not None and item.mode == "full" and len(item.token_ids) > self.prefill_piece:
-                    capacity = len(item.token_ids) + item.params.max_tokens
-                    self.prefilling = PiecewisePrefill(item, self.engine.runner.new_cache(capacity))
-                    self._prefill_step()
-                elif item is not None:
-                    self._prefill(item)
+                self._admit()
             self._drop_cancelled()
             if self.running:
                 self._decode_step()
-            self.steps += 1
-        # Shutting down: tell whoever still listens.
+        self._fail_all()
+
+    def _admit(self) -> None:
+        """Take one waiting item: a job runs now; a request is prefilled (a long full one piecewise)."""
+        try:  # idle: wait for work; busy: only take what is already there
+            item = self.waiting.get(timeout=0.05) if not self.running else self.waiting.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(item, Job):
+            self._run_job(item)
+            return
+        item.admitted = time.perf_counter()
+        if item.mode == "full" and len(item.token_ids) > self.prefill_piece:
+            capacity = len(item.token_ids) + item.params.max_tokens
+            self.prefilling = PiecewisePrefill(item, self.engine.runner.new_cache(capacity))
+            self._prefill_step()
+        else:
+            self._prefill(item)
+
+    def _fail_all(self) -> None:
+        """Shutting down: tell whoever still listens."""
         if self.prefilling is not None:
             self.prefilling.request.emit(Failed(503, "the server is shutting down"))
             self.prefilling = None
@@ -218,7 +223,7 @@ class Scheduler:
             try:
                 item = self.waiting.get_nowait()
             except queue.Empty:
-                break
+                return
             if isinstance(item, Job):
                 item.future.cancel()
             else:
