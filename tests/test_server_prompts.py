@@ -34,3 +34,14 @@ def test_tokenizer_without_chat_template_gets_the_fallback():
     assert text == "<|system|>\nBe brief.\n<|user|>\nHi\n<|assistant|>\n"
     with_docs = prompts.chat_ids(tok, SEP, sep, messages, DOCS, None)
     assert len(segment(with_docs, sep).chunks) == 2
+
+
+def test_text_that_looks_like_a_placeholder_is_just_text():
+    # Found by hypothesis: a fixed placeholder string in a message split the prompt in two places.
+    tok = default_tokenizer()
+    sep = tok.encode(SEP, add_special_tokens=False)
+    odd = "\x00KVBLEND_DOCUMENTS\x00"
+    messages = [{"role": "system", "content": odd}, {"role": "user", "content": "and?" + odd}]
+    ids = prompts.chat_ids(tok, SEP, sep, messages, DOCS, None)
+    assert len(segment(ids, sep).chunks) == 2
+    assert len(segment(prompts.completion_ids(tok, SEP, sep, odd + "?", DOCS, odd), sep).chunks) == 2

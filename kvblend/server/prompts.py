@@ -12,10 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..api import DEFAULT_SYSTEM
-from ..blend.segment import join_segments, rag_prompt_ids, tokenize_prompt
+from ..blend.segment import docs_mark, join_segments, rag_prompt_ids, tokenize_prompt
 from .errors import bad_request
-
-_DOCS_MARK = "\x00KVBLEND_DOCUMENTS\x00"
 
 
 def has_chat_template(tokenizer) -> bool:
@@ -57,11 +55,12 @@ def chat_ids(tokenizer, separator: str, sep_ids: list[int], messages: list[dict]
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
     if last_user is None:
         raise bad_request("documents need a user message to go with", "messages")
+    mark = docs_mark()
     messages = [dict(m) for m in messages]
-    messages[last_user]["content"] = _DOCS_MARK + messages[last_user]["content"]
+    messages[last_user]["content"] = mark + messages[last_user]["content"]
     if messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system or DEFAULT_SYSTEM})
-    head, tail = chat_text(tokenizer, messages).split(_DOCS_MARK)
+    head, tail = chat_text(tokenizer, messages).split(mark)
     docs = [tokenizer.encode(d, add_special_tokens=False) for d in documents]
     return join_segments(tokenizer.encode(head, add_special_tokens=False), docs,
                          tokenizer.encode(tail, add_special_tokens=False), sep_ids)
