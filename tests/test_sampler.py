@@ -91,3 +91,9 @@ def test_top_k_with_tied_logits_keeps_exactly_k_tokens():
     s = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=0))
     seen = {s(torch.tensor([3.0, 1.0, 1.0, 1.0, 0.0])) for _ in range(200)}
     assert len(seen) == 2 and 0 in seen
+
+
+def test_tiny_temperature_is_greedy_not_nan():
+    # logits / 1e-299 overflow to inf unless shifted first; softmax of inf is NaN.
+    s = Sampler(SamplingParams(temperature=1e-299, seed=0))
+    assert {s(torch.tensor([1.0, 5.0, -3.0, 4.9])) for _ in range(20)} == {1}

@@ -9,6 +9,7 @@ separator's trailing space into the next word).
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -79,7 +80,10 @@ def tokenize_prompt(tokenizer, text: str, separator: str) -> list[int]:
     return ids
 
 
-_DOCS_MARK = "\x00KVBLEND_DOCUMENTS\x00"
+def docs_mark() -> str:
+    """A fresh placeholder for where documents go in a templated text: fresh, so that no user text
+    can contain it (a fixed one in a question would split the prompt in the wrong place)."""
+    return f"\x00kvblend-documents-{uuid.uuid4().hex}\x00"
 
 
 def rag_prompt_ids(tokenizer, sep: Sequence[int], system: str, question: str,
@@ -88,14 +92,15 @@ def rag_prompt_ids(tokenizer, sep: Sequence[int], system: str, question: str,
     tokenizer has one (system message, then the documents and the question as the user turn).
     Each document is tokenized alone, so its ids, and so its cache key, are the same in every
     prompt."""
+    mark = docs_mark()
     if getattr(tokenizer, "chat_template", None):
-        messages = [{"role": "system", "content": system}, {"role": "user", "content": _DOCS_MARK + question}]
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": mark + question}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         head_specials = False  # the template writes BOS itself where the model wants one
     else:
-        text = f"{system}\n{_DOCS_MARK}{question}\nAnswer:"
+        text = f"{system}\n{mark}{question}\nAnswer:"
         head_specials = True  # BOS where the tokenizer adds one (Gemma 3 base reads garbage without it)
-    head, tail = text.split(_DOCS_MARK)
+    head, tail = text.split(mark)
     docs = [tokenizer.encode(d, add_special_tokens=False) for d in documents]
     return join_segments(tokenizer.encode(head, add_special_tokens=head_specials), docs,
                          tokenizer.encode(tail, add_special_tokens=False), sep)

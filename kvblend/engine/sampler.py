@@ -46,7 +46,8 @@ class Sampler:
         logits = logits.float().cpu()
         if p.temperature == 0:
             return int(logits.argmax())
-        logits = logits / p.temperature
+        # Shifted, in float64: a tiny temperature (1e-300 is 0 in float32) must not make inf or NaN.
+        logits = (logits.double() - logits.max()) / p.temperature
         if p.top_k:
             # Mask by index, not by value: ties at the k-th logit must not let in more than k.
             keep = torch.topk(logits, min(p.top_k, logits.numel())).indices

@@ -165,6 +165,10 @@ class Runner:
 
     def finish(self, layer: int, rows: Rows, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
         """Attention of q over the cache, o_proj, residual, MLP: the rows' next hidden states."""
+        return self.after_attention(layer, rows.h, self.attention(layer, rows, q, cache))
+
+    def attention(self, layer: int, rows: Rows, q: torch.Tensor, cache: KVCache) -> torch.Tensor:
+        """Attention of q [H, n, d] over the cache: [H, n, d], before o_proj."""
         attn = self.layers[layer].self_attn
         first, window = cache.first, self.windows[layer]
         if (first, window) not in rows.groups:
@@ -177,13 +181,16 @@ class Runner:
                 held = rows.groups[first, window, "bias"] = (bias, biased_groups(groups, bias[first:]))
             groups = held[1]
         # attn.scaling is the model's own (Gemma 3: query_pre_attn_scalar ** -0.5).
-        o = attend(q, cache.k[layer][:, first:], cache.v[layer][:, first:], groups, attn.scaling)
-        o = attn.o_proj(o.transpose(0, 1).reshape(rows.h.shape[0], -1))
+        return attend(q, cache.k[layer][:, first:], cache.v[layer][:, first:], groups, attn.scaling)
+
+    def after_attention(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+        """o_proj of the attention output o [H, n, d], residual, MLP: the rows' next hidden states."""
         block = self.layers[layer]
+        o = block.self_attn.o_proj(o.transpose(0, 1).reshape(h.shape[0], -1))
         if self.sandwich[layer]:  # gemma3: norms on the attention output and around the MLP
-            h = rows.h + block.post_attention_layernorm(o)
+            h = h + block.post_attention_layernorm(o)
             return h + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(h)))
-        h = rows.h + o
+        h = h + o
         return h + block.mlp(block.post_attention_layernorm(h))
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -216,6 +223,39 @@ class Runner:
         if logit_rows is None:
             logit_rows = slice(-1, None)
         return self.logits(rows.h[logit_rows])
+
+    @torch.inference_mode()
+    def decode(self, token_ids: list[int], positions: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """One decode step of several sequences: token i at positions[i] appended to caches[i].
+        The rows share the projections and the MLP (one matmul for all); each attends its own
+        cache. Returns logits [n, vocab].
+
+        Rows are padded to a multiple of DECODE_ROW_BLOCK: the CPU fp32 matmul kernel works on
+        blocks of 4 rows, and the rows of a partial block (the 1-3 left over) go another path
+        that rounds differently, so a sequence's tokens would depend on how many others decode
+        beside it. In whole blocks a row's result is the same at every batch size and thread count.
+        """
+        n = len(token_ids)
+        pad = -n % DECODE_ROW_BLOCK
+        ids = torch.tensor(token_ids + token_ids[:1] * pad, device=self.device)
+        pos = torch.tensor(positions + positions[:1] * pad, device=self.device)
+        for p, cache in zip(positions, caches):
+            cache.reserve(p + 1)
+            cache.length = max(cache.length, p + 1)
+        rows = self.rows(ids, pos)
+        singles = [Rows(rows.h[i:i + 1], pos[i:i + 1], {}) for i in range(n)]  # masks per sequence
+        for layer in range(self.n_layers):
+            q, k, v = self.qkv(layer, rows)
+            o = torch.zeros_like(q)  # padding rows attend to nothing: their outputs are dropped
+            for i, (cache, single) in enumerate(zip(caches, singles)):
+                cache.write(layer, pos[i:i + 1], k[:, i:i + 1], v[:, i:i + 1])
+                o[:, i:i + 1] = self.attention(layer, single, q[:, i:i + 1], cache)
+            rows.h = self.after_attention(layer, rows.h, o)
+        return self.logits(rows.h[:n])
+
+
+# See Runner.decode: decode batches come in whole blocks of this many rows (the matmul kernel's block).
+DECODE_ROW_BLOCK = 4
 
 
 @dataclass

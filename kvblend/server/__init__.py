@@ -1,0 +1,1 @@
+"""kvblend's OpenAI-compatible HTTP server (`kvblend serve`)."""

@@ -1,0 +1,81 @@
+"""Prometheus metrics of one server, in its own registry (several servers may live in one process)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self):
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("kvblend_http_requests", "HTTP requests by route and status code",
+                                ["route", "method", "code"], registry=r)
+        self.errors = Counter("kvblend_http_errors", "HTTP responses with a 4xx or 5xx code, by route and code",
+                              ["route", "code"], registry=r)
+        self.ttft = Histogram("kvblend_ttft_seconds", "time to first token, queueing included, by mode", ["mode"],
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("kvblend_e2e_seconds", "request latency from arrival to the last token, by mode",
+                             ["mode"], buckets=LATENCY_BUCKETS, registry=r)
+        self.reused = Counter("kvblend_tokens_reused", "prompt tokens whose KV came from a cached chunk", registry=r)
+        self.recomputed = Counter("kvblend_tokens_recomputed", "prompt tokens computed in prefill", registry=r)
+        self.prefix_hit = Counter("kvblend_tokens_prefix_hit", "prompt tokens served exactly by the prefix cache",
+                                  registry=r)
+        self.generated = Counter("kvblend_tokens_generated", "tokens generated", registry=r)
+        self.chunk_hits = Counter("kvblend_chunk_hits", "chunks found in the store", registry=r)
+        self.chunk_misses = Counter("kvblend_chunk_misses", "chunks not found in the store", registry=r)
+        self.cancelled = Counter("kvblend_requests_cancelled", "requests ended early: the client went away, or a stop string ended them", registry=r)
+        self.queue_depth = Gauge("kvblend_queue_depth", "requests waiting for the engine", registry=r)
+        self.running = Gauge("kvblend_running_requests", "requests past the queue (prefilling or decoding)", registry=r)
+        self.kv_bytes = Gauge("kvblend_kv_bytes", "bytes of KV cache held by running requests", registry=r)
+        self.store_bytes = Gauge("kvblend_store_bytes", "bytes held by the chunk store", registry=r)
+        self.store_entries = Gauge("kvblend_store_entries", "entries in the chunk store", registry=r)
+
+    def watch(self, queue_depth: Callable[[], float], running: Callable[[], float], kv_bytes: Callable[[], float],
+              store_bytes: Callable[[], float], store_entries: Callable[[], float]) -> None:
+        """Gauges read at scrape time, so they are never stale."""
+        self.queue_depth.set_function(queue_depth)
+        self.running.set_function(running)
+        self.kv_bytes.set_function(kv_bytes)
+        self.store_bytes.set_function(store_bytes)
+        self.store_entries.set_function(store_entries)
+
+    def observe_prefill(self, mode: str, ttft_s: float, m) -> None:
+        self.ttft.labels(mode).observe(ttft_s)
+        self.reused.inc(m.reused_tokens)
+        self.recomputed.inc(m.recomputed_tokens)
+        self.prefix_hit.inc(m.prefix_hit_tokens)
+        self.chunk_hits.inc(m.chunk_hits)
+        self.chunk_misses.inc(m.chunk_misses)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class MetricsMiddleware:
+    """Counts every response by route template and status code (raw ASGI, so streams pass untouched)."""
+
+    def __init__(self, app, metrics: ServerMetrics):
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        status = [500]
+
+        async def send_status(message):
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            route = getattr(scope.get("route"), "path", "unmatched")
+            code = str(status[0])
+            self.metrics.requests.labels(route, scope.get("method", ""), code).inc()
+            if status[0] >= 400:
+                self.metrics.errors.labels(route, code).inc()

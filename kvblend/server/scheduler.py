@@ -1,0 +1,358 @@
+"""The engine loop: one thread owns the engine and the model; HTTP handlers only put requests in
+and read token ids out.
+
+Each step admits at most one waiting request (its prefill, or a job such as precomputing chunks),
+then runs one decode step for every running request as one batch (Runner.decode: shared
+projections and MLP, attention per sequence). A full prefill longer than PREFILL_PIECE tokens runs
+one piece per step, so a long prompt does not stall the streams for its whole prefill (a blend
+plan runs in one step: it is short, which is the point). A stream's tokens do not depend on what
+else is running.
+
+Requests wait in a bounded queue (full: the handler answers 429). A cancelled request (its client
+went away, or a stop string ended it) leaves the batch at the next step and its KV is freed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from ..blend.fusor import BlendConfig
+from ..engine.engine import Engine, RequestError, RequestMetrics
+from ..engine.sampler import Sampler, SamplingParams
+from ..model.runner import KEY_BLOCK, KVCache
+from .metrics import ServerMetrics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Prefilled:
+    metrics: RequestMetrics  # the prompt's: TTFT, tokens reused and recomputed, chunk hits
+
+
+@dataclass
+class Token:
+    id: int
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop" (EOS) or "length"
+    metrics: RequestMetrics
+
+
+@dataclass
+class Failed:
+    status: int
+    message: str
+
+
+@dataclass
+class Request:
+    """What a handler submits; events come back on `events`: Prefilled, Token..., then Done; or Failed."""
+
+    token_ids: list[int]
+    params: SamplingParams
+    mode: str
+    namespace: str
+    blend_cfg: BlendConfig | None = None
+    arrival: float = field(default_factory=time.perf_counter)
+    admitted: float | None = None  # when the engine loop took it from the queue
+    loop: asyncio.AbstractEventLoop | None = None
+    events: asyncio.Queue | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def bind(self) -> "Request":
+        """Attach to the calling coroutine's event loop (events are delivered there)."""
+        self.loop, self.events = asyncio.get_running_loop(), asyncio.Queue()
+        return self
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def emit(self, event) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
+            self.cancel()
+
+
+@dataclass
+class Job:
+    """Engine work that is not a generation (precomputing chunks): fn(engine) in the loop thread."""
+
+    fn: Callable[[Engine], object]
+    future: Future = field(default_factory=Future)
+
+
+@dataclass
+class Sequence:
+    """A running request: its KV cache, its sampler and the tokens so far."""
+
+    request: Request
+    cache: KVCache
+    sampler: Sampler
+    tokens: list[int]
+    metrics: RequestMetrics
+
+    @property
+    def position(self) -> int:
+        """Position of the last token, the one fed to the next decode step."""
+        return len(self.request.token_ids) + len(self.tokens) - 1
+
+
+# Tokens of a full prefill per step. A multiple of the runner's key block: pieces that end on block
+# boundaries give bit-identical KV and logits to one pass (see runner.KEY_BLOCK).
+PREFILL_PIECE = 2 * KEY_BLOCK
+
+
+@dataclass
+class PiecewisePrefill:
+    """A full prefill in progress: rows [0, done) are in the cache."""
+
+    request: Request
+    cache: KVCache
+    done: int = 0
+
+
+def prefill_piece(runner, job: PiecewisePrefill, piece: int) -> torch.Tensor | None:
+    """Compute the next `piece` rows of a full prefill; the last row's logits once all are done."""
+    ids = job.request.token_ids
+    end = min(job.done + piece, len(ids))
+    logits = runner.forward(torch.tensor(ids[job.done:end]), torch.arange(job.done, end), job.cache)
+    job.done = end
+    return logits[0] if end == len(ids) else None
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 64, max_batch: int = 32):
+        self.engine, self.metrics = engine, metrics
+        self.max_queue, self.max_batch = max_queue, max_batch
+        self.waiting: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.running: list[Sequence] = []
+        self.prefilling: PiecewisePrefill | None = None  # a long full prefill, one piece per step
+        self.prefill_piece = PREFILL_PIECE
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvblend-engine", daemon=True)
+        self.peak_batch = 0  # most sequences decoded in one step so far
+        self.prefill_pieces = 0  # pieces of piecewise full prefills run so far
+
+    # ---- the handlers' side -------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+    def submit(self, item: Request | Job) -> None:
+        """Queue a request or job; raises queue.Full when the queue is full."""
+        self.waiting.put_nowait(item)
+
+    def run_job(self, fn: Callable[[Engine], object]) -> Future:
+        job = Job(fn)
+        self.submit(job)
+        return job.future
+
+    @property
+    def active(self) -> int:
+        """Requests past the queue: decoding, or in a piecewise prefill."""
+        return len(self.running) + (self.prefilling is not None)
+
+    @property
+    def queue_depth(self) -> int:
+        return self.waiting.qsize()
+
+    @property
+    def kv_bytes(self) -> int:
+        prefilling = self.prefilling  # read from other threads: a cache may just have gone
+        caches = [s.cache for s in list(self.running)] + [prefilling.cache if prefilling else None]
+        return sum(c.k.nbytes + c.v.nbytes for c in caches if c is not None)
+
+    # ---- the loop -------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            if self.prefilling is not None:
+                self._prefill_step()
+            elif len(self.running) < self.max_batch:
+                self._admit()
+            self._drop_cancelled()
+            if self.running:
+                self._decode_step()
+        self._fail_all()
+
+    def _admit(self) -> None:
+        """Take one waiting item: a job runs now; a request is prefilled (a long full one piecewise)."""
+        try:  # idle: wait for work; busy: only take what is already there
+            item = self.waiting.get(timeout=0.05) if not self.running else self.waiting.get_nowait()
+        except queue.Empty:
+            return
+        if isinstance(item, Job):
+            self._run_job(item)
+            return
+        item.admitted = time.perf_counter()
+        if item.mode == "full" and len(item.token_ids) > self.prefill_piece:
+            capacity = len(item.token_ids) + item.params.max_tokens
+            self.prefilling = PiecewisePrefill(item, self.engine.runner.new_cache(capacity))
+            self._prefill_step()
+        else:
+            self._prefill(item)
+
+    def _fail_all(self) -> None:
+        """Shutting down: tell whoever still listens."""
+        if self.prefilling is not None:
+            self.prefilling.request.emit(Failed(503, "the server is shutting down"))
+            self.prefilling = None
+        for seq in self.running:
+            seq.request.emit(Failed(503, "the server is shutting down"))
+        self.running.clear()
+        while True:
+            try:
+                item = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Job):
+                item.future.cancel()
+            else:
+                item.emit(Failed(503, "the server is shutting down"))
+
+    @contextmanager
+    def _namespace(self, namespace: str):
+        """Chunk and prefix keys of this request's namespace. Only this thread uses the engine, so
+        swapping its key scheme for one call is safe; tenants never share cached KV."""
+        engine = self.engine
+        keys = copy.copy(engine.keys)  # cheap: a few fields (no cache per namespace to grow unbounded)
+        keys.namespace = namespace
+        saved, engine.keys = engine.keys, keys
+        try:
+            yield
+        finally:
+            engine.keys = saved
+
+    def namespaced(self, namespace: str, fn: Callable[[Engine], object]) -> Callable[[Engine], object]:
+        """A job function run under `namespace`'s keys."""
+        def run(engine: Engine):
+            with self._namespace(namespace):
+                return fn(engine)
+        return run
+
+    def _run_job(self, job: Job) -> None:
+        if not job.future.set_running_or_notify_cancel():
+            return
+        try:
+            with torch.inference_mode():
+                job.future.set_result(job.fn(self.engine))
+        except Exception as e:  # handed to the waiting handler, which turns it into an HTTP error
+            job.future.set_exception(e)
+
+    def _prefill(self, req: Request) -> None:
+        if req.cancelled.is_set():
+            self.metrics.cancelled.inc()
+            return
+        engine = self.engine
+        try:
+            with torch.inference_mode(), self._namespace(req.namespace):
+                plan, out = engine.prefill(req.token_ids, req.mode, extra_capacity=req.params.max_tokens,
+                                           blend_cfg=req.blend_cfg)
+                sampler = Sampler(req.params)
+                first = sampler(out.logits)
+                metrics = RequestMetrics.from_prefill(req.mode, len(req.token_ids), out.stats)
+                metrics.ttft_s = time.perf_counter() - req.arrival
+                engine.store_after(req.token_ids, plan, out, req.mode)  # the next request may hit
+        except RequestError as e:
+            req.emit(Failed(400, str(e)))
+            return
+        except Exception as e:
+            log.exception("prefill failed")
+            req.emit(Failed(500, f"prefill failed: {type(e).__name__}: {e}"))
+            return
+        self._start(req, out.cache, sampler, first, metrics)
+
+    def _prefill_step(self) -> None:
+        job = self.prefilling
+        req = job.request
+        if req.cancelled.is_set():
+            self.prefilling = None
+            self.metrics.cancelled.inc()
+            return
+        try:
+            with torch.inference_mode():
+                logits = prefill_piece(self.engine.runner, job, self.prefill_piece)
+                self.prefill_pieces += 1
+        except Exception as e:
+            log.exception("prefill failed")
+            self.prefilling = None
+            req.emit(Failed(500, f"prefill failed: {type(e).__name__}: {e}"))
+            return
+        if logits is None:
+            return
+        self.prefilling = None
+        sampler = Sampler(req.params)
+        first = sampler(logits)
+        n = len(req.token_ids)
+        metrics = RequestMetrics(mode="full", prompt_tokens=n, recomputed_tokens=n,
+                                 ttft_s=time.perf_counter() - req.arrival)
+        self._start(req, job.cache, sampler, first, metrics)
+
+    def _start(self, req: Request, cache: KVCache, sampler: Sampler, first: int, metrics: RequestMetrics) -> None:
+        """A prefilled request joins the running batch with its first token."""
+        self.metrics.observe_prefill(req.mode, metrics.ttft_s, metrics)
+        seq = Sequence(req, cache, sampler, [first], metrics)
+        self.running.append(seq)
+        req.emit(Prefilled(metrics))
+        self._after_token(seq)
+
+    def _decode_step(self) -> None:
+        batch = list(self.running)
+        self.peak_batch = max(self.peak_batch, len(batch))
+        try:
+            logits = self.engine.runner.decode([s.tokens[-1] for s in batch], [s.position for s in batch],
+                                               [s.cache for s in batch])
+        except Exception as e:
+            log.exception("decode step failed")
+            for seq in batch:
+                self._finish(seq, Failed(500, f"decode failed: {type(e).__name__}: {e}"))
+            return
+        for row, seq in enumerate(batch):
+            seq.tokens.append(seq.sampler(logits[row]))
+            self._after_token(seq)
+
+    def _after_token(self, seq: Sequence) -> None:
+        """Send the newest token, or finish the sequence on EOS or at max_tokens."""
+        params, token = seq.request.params, seq.tokens[-1]
+        if not params.ignore_eos and token in self.engine.eos_ids:
+            self._finish(seq, Done("stop", seq.metrics))
+            return
+        seq.request.emit(Token(token))
+        if len(seq.tokens) >= params.max_tokens:
+            self._finish(seq, Done("length", seq.metrics))
+
+    def _finish(self, seq: Sequence, event: Done | Failed) -> None:
+        if isinstance(event, Done):
+            m = event.metrics
+            m.decode_tokens = len(seq.tokens)
+            elapsed = time.perf_counter() - seq.request.arrival - m.ttft_s
+            m.decode_tokens_per_s = (len(seq.tokens) - 1) / elapsed if elapsed > 0 and len(seq.tokens) > 1 else 0.0
+            self.metrics.generated.inc(len(seq.tokens))
+        self.running.remove(seq)
+        seq.cache = None  # the KV goes with the last reference
+        seq.request.emit(event)
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self.running if s.request.cancelled.is_set()]:
+            self.running.remove(seq)
+            seq.cache = None
+            self.metrics.cancelled.inc()

@@ -1,0 +1,61 @@
+"""A live kvblend server on a loopback port, for tests that talk to it over real HTTP.
+
+The model is a tiny random Llama with the default model's tokenizer (its chat template and
+separator ids are real; its answers are noise, but deterministic noise, which is what tests of
+the server need)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from contextlib import contextmanager
+from functools import lru_cache
+
+import uvicorn
+from tiny_models import tiny_model
+
+from kvblend.config import Settings
+from kvblend.engine.engine import Engine
+from kvblend.model.loader import DEFAULT_MODEL, _gguf_as_folder, resolve_model_path, weights_identity
+from kvblend.server.app import ServerConfig, create_app
+
+MODEL_NAME = "tiny-llama"
+
+
+@lru_cache(maxsize=1)
+def default_tokenizer():
+    from transformers import AutoTokenizer
+
+    path = resolve_model_path(DEFAULT_MODEL)
+    return AutoTokenizer.from_pretrained(_gguf_as_folder(path, weights_identity(path)))
+
+
+def tiny_engine(**settings) -> Engine:
+    tok = default_tokenizer()
+    loaded = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=1024)
+    loaded.tokenizer = tok
+    return Engine(loaded, Settings(dtype="float32", device="cpu", **settings))
+
+
+@contextmanager
+def live_server(engine: Engine | None = None, **config):
+    """Start uvicorn on a free loopback port in a thread; yields (base_url, app)."""
+    app = create_app(engine or tiny_engine(), ServerConfig(model_name=MODEL_NAME, **config))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="on"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        if time.monotonic() > deadline or not thread.is_alive():
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+        sock.close()
