@@ -9,6 +9,7 @@ import torch
 
 from ..store.chunk_kv import ChunkKV
 from ..store.keys import chunk_key, prefix_block_keys, tokens_hash
+from ..store.tier import StoredEntry
 from .segment import Segments, Span
 
 CHUNK_CONTEXTS = ("bare", "bos", "prefix")
@@ -18,7 +19,11 @@ CHUNK_CONTEXTS = ("bare", "bos", "prefix")
 class ChunkRef:
     span: Span
     key: str
-    kv: ChunkKV | None  # None: a miss, computed in the request and stored after it
+    kv: ChunkKV | StoredEntry | None  # None: a miss, computed in the request and stored after it
+
+    @property
+    def tier(self) -> str:
+        return self.kv.tier if self.kv is not None else "miss"
 
 
 @dataclass
@@ -26,7 +31,7 @@ class Plan:
     token_ids: torch.Tensor  # [T]
     segments: Segments
     prefix_hit: int = 0  # rows [0, prefix_hit) are exact KV from the prefix cache
-    prefix_blocks: list[tuple[Span, ChunkKV]] = field(default_factory=list)
+    prefix_blocks: list[tuple[Span, ChunkKV | StoredEntry]] = field(default_factory=list)
     chunks: list[ChunkRef] = field(default_factory=list)
 
     @property

@@ -21,11 +21,13 @@ from ..model.loader import LoadedModel
 from ..model.rotary import check_rerotation
 from ..model.runner import Runner
 from ..store.chunk_kv import ChunkKV
-from ..store.memory import MemoryStore
+from ..store.entry_format import BadEntry, EntrySpec, dtype_name
+from ..store.tiered import build_store
 from .sampler import Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
+MAX_BAD_ENTRIES = 8  # bad entries one request may meet before it plans without the store
 
 
 class RequestError(ValueError):
@@ -46,13 +48,17 @@ class RequestMetrics:
     chunk_misses: int = 0
     compute_frac: float = 1.0
     selected_positions: list[int] = field(default_factory=list)
+    load_wait_s: float = 0.0  # time compute waited for stored KV
+    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: memory, disk, redis or miss
+    bad_entries: int = 0  # bad stored entries met (discarded and recomputed)
 
     @classmethod
     def from_prefill(cls, mode: str, n: int, stats: PrefillStats) -> "RequestMetrics":
         return cls(mode=mode, prompt_tokens=n, prefix_hit_tokens=stats.prefix_hit_tokens,
                    reused_tokens=stats.reused_tokens, recomputed_tokens=stats.recomputed_tokens,
                    chunk_hits=stats.chunk_hits, chunk_misses=stats.chunk_misses,
-                   compute_frac=stats.compute_frac, selected_positions=stats.selected_positions)
+                   compute_frac=stats.compute_frac, selected_positions=stats.selected_positions,
+                   load_wait_s=stats.load_wait_s, chunk_tiers=stats.chunk_tiers, bad_entries=stats.bad_entries)
 
 
 @dataclass
@@ -77,7 +83,10 @@ class Engine:
         bos = getattr(self.tokenizer, "bos_token_id", None)
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
         self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos)
-        self.store = MemoryStore(int(s.max_local_cpu_size * GIB))
+        r = self.runner
+        self.spec = EntrySpec(model.fingerprint, dtype_name(model.dtype), r.n_layers, r.n_kv_heads, r.head_dim)
+        self.store = build_store(s, self.spec)
+        self.prefetch_depth = s.prefetch_depth if s.layerwise else 0
         # Models without a tokenizer (tests' tiny random models) name their separator ids.
         self.sep_ids = sep_ids or separator_ids(self.tokenizer, s.separator)
         self.eos_ids = _eos_ids(model)
@@ -112,14 +121,33 @@ class Engine:
     def segments(self, token_ids: list[int]) -> Segments:
         return segment(token_ids, self.sep_ids)
 
-    def plan(self, token_ids: list[int], mode: str) -> Plan:
-        return make_plan(token_ids, self.segments(token_ids), self.keys, self.store,
+    def plan(self, token_ids: list[int], mode: str, store=None) -> Plan:
+        return make_plan(token_ids, self.segments(token_ids), self.keys, store or self.store,
                          use_prefix=mode != "full", use_chunks=mode in ("reuse", "blend"))
 
     def prefill(self, token_ids: list[int], mode: str, extra_capacity: int = 0,
                 blend_cfg: BlendConfig | None = None) -> tuple[Plan, PrefillOutput]:
-        plan = self.plan(token_ids, mode)
-        return plan, prefill(self.runner, plan, mode, blend_cfg or self.blend_cfg, extra_capacity)
+        """Plan and prefill. A stored entry found bad while it is read (corrupt, truncated,
+        foreign, or its tier gone) is discarded and the request planned again without it, so
+        the answer is what recomputing gives, never one made from wrong KV."""
+        bad = 0
+        while True:
+            store = self.store if bad < MAX_BAD_ENTRIES else _NoStore()
+            plan = self.plan(token_ids, mode, store)
+            try:
+                out = prefill(self.runner, plan, mode, blend_cfg or self.blend_cfg, extra_capacity,
+                              self.prefetch_depth)
+            except BadEntry as e:
+                log.warning("%s; recomputing", e)
+                self.store.discard(e)
+                bad += 1
+                continue
+            out.stats.bad_entries = bad
+            return plan, out
+
+    def close(self) -> None:
+        """Finish the background writes (the store's tiers keep what was computed)."""
+        self.store.close()
 
     # ---- storing -------------------------------------------------------------------------
 
@@ -206,6 +234,13 @@ class Engine:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+class _NoStore:
+    """Every lookup a miss: the last resort of a request that met too many bad entries."""
+
+    def get(self, key: str) -> None:
+        return None
 
 
 def _eos_ids(model: LoadedModel) -> set[int]:

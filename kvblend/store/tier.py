@@ -1,0 +1,86 @@
+"""The interface every storage tier keeps, and the lazily read entry of the slower tiers.
+
+A tier maps keys to chunk KV with a capacity in bytes and LRU eviction. `get` returns a ChunkKV
+(memory) or a StoredEntry that reads its layers when asked (disk, Redis), or None on a miss.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from .chunk_kv import ChunkKV
+from .entry_format import BadEntry, EntryMeta, check_layer
+
+
+class Tier(Protocol):
+    name: str
+    capacity_bytes: int
+
+    @property
+    def used_bytes(self) -> int: ...
+
+    def get(self, key: str) -> ChunkKV | StoredEntry | None: ...
+
+    def put(self, key: str, kv: ChunkKV) -> bool: ...
+
+    def __contains__(self, key: str) -> bool: ...
+
+    def delete(self, key: str) -> bool: ...
+
+    def keys(self) -> list[str]: ...
+
+    def counters(self) -> dict[str, int]: ...
+
+
+class Counters:
+    """What a tier counts; `counters()` is what metrics and `kvblend store ls` show."""
+
+    def __init__(self):
+        self.hits = self.misses = self.puts = self.evictions = self.bad_entries = self.write_errors = 0
+
+    def counters(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in
+                ("hits", "misses", "puts", "evictions", "bad_entries", "write_errors")}
+
+
+class StoredEntry:
+    """An entry of a slower tier, its header already checked; layers are read (and their digests
+    checked) one at a time, so the loader can fetch layer l+1 while layer l computes."""
+
+    def __init__(self, meta: EntryMeta, tier: str):
+        self.meta, self.tier, self.key = meta, tier, meta.key
+        self.positions = torch.tensor(meta.positions, dtype=torch.long)
+
+    @property
+    def n_tokens(self) -> int:
+        return self.meta.n_tokens
+
+    @property
+    def n_layers(self) -> int:
+        return self.meta.n_layers
+
+    @property
+    def nbytes(self) -> int:
+        return self.meta.nbytes
+
+    def _read_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        try:
+            k, v = self._read_layer(layer)
+        except BadEntry:
+            raise
+        except Exception as e:  # truncated file, missing value, undecodable bytes: all a miss
+            raise BadEntry(self.key, self.tier, f"layer {layer} unreadable ({type(e).__name__}: {e})") from e
+        why = check_layer(self.meta, layer, k, v)
+        if why:
+            raise BadEntry(self.key, self.tier, why)
+        return k, v
+
+    def materialize(self) -> ChunkKV:
+        """Every layer read and checked: what promotion to a faster tier stores."""
+        ks, vs = zip(*(self.layer(layer) for layer in range(self.n_layers)))
+        return ChunkKV(torch.stack(ks), torch.stack(vs), self.positions.clone())
