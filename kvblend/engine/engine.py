@@ -130,7 +130,7 @@ class Engine:
         """Plan and prefill. A stored entry found bad while it is read (corrupt, truncated,
         foreign, or its tier gone) is discarded and the request planned again without it, so
         the answer is what recomputing gives, never one made from wrong KV."""
-        bad = 0
+        bad, bad_before = 0, self.store.bad_entries()
         while True:
             store = self.store if bad < MAX_BAD_ENTRIES else _NoStore()
             plan = self.plan(token_ids, mode, store)
@@ -142,7 +142,8 @@ class Engine:
                 self.store.discard(e)
                 bad += 1
                 continue
-            out.stats.bad_entries = bad
+            # Bad entries met at lookup (header) and while reading layers, in this request.
+            out.stats.bad_entries = self.store.bad_entries() - bad_before
             return plan, out
 
     def close(self) -> None:

@@ -30,6 +30,7 @@ class TieredStore:
         self.tiers = tiers
         self._writer_: BackgroundWriter | None = None  # started on first use: a memory-only store needs none
         self._pending: dict[str, ChunkKV] = {}  # written behind, not yet in a tier
+        self._promoting: set[str] = set()
         self._lock = threading.Lock()
         self.promotions = 0
 
@@ -50,7 +51,11 @@ class TieredStore:
             value = tier.get(key)
             if value is not None:
                 if i > 0:
-                    self._writer.submit(self._promote, key, value, i)
+                    with self._lock:
+                        fresh = key not in self._promoting
+                        self._promoting.add(key)
+                    if fresh:
+                        self._writer.submit(self._promote, key, value, i)
                 return value
         with self._lock:
             return self._pending.get(key)
@@ -58,12 +63,14 @@ class TieredStore:
     def _promote(self, key: str, entry: StoredEntry, found_at: int) -> None:
         try:
             kv = entry.materialize()
+            for tier in self.tiers[:found_at]:
+                tier.put(key, kv)
+            self.promotions += 1
         except BadEntry as e:
             self.discard(e)
-            return
-        for tier in self.tiers[:found_at]:
-            tier.put(key, kv)
-        self.promotions += 1
+        finally:
+            with self._lock:
+                self._promoting.discard(key)
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
@@ -114,6 +121,9 @@ class TieredStore:
             self._writer_ = None
 
     # ---- reporting ---------------------------------------------------------------------------
+
+    def bad_entries(self) -> int:
+        return sum(t.counters()["bad_entries"] for t in self.tiers)
 
     def stats(self) -> dict[str, dict]:
         return {t.name: {**t.counters(), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
