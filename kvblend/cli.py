@@ -1,4 +1,4 @@
-"""The `kvblend` command: demo, generate, eval."""
+"""The `kvblend` command: demo, generate, eval, store."""
 
 from __future__ import annotations
 
@@ -27,6 +27,25 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="weight HKVD scores by the attention the suffix pays each token")
     p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
     p.add_argument("--separator")
+    _add_store_flags(p)
+
+
+def _add_store_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--local-cpu", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep chunk KV in this process's memory")
+    p.add_argument("--max-local-cpu-size", type=float, help="memory tier capacity, GiB")
+    p.add_argument("--local-disk", help="directory of the disk tier")
+    p.add_argument("--max-local-disk-size", type=float, help="disk tier capacity, GiB")
+    p.add_argument("--remote-url", help="Redis of the shared tier, redis://host:port[/db]")
+    p.add_argument("--max-remote-size", type=float, help="Redis tier capacity, GiB")
+    p.add_argument("--remote-ttl", type=int, help="seconds a Redis entry lives")
+    p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=None,
+                   help="read stored KV layer by layer in a background thread while layers compute")
+    p.add_argument("--prefetch-depth", type=int, help="layers read ahead of compute")
+
+
+_STORE_FIELDS = ("local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size", "remote_url",
+                 "max_remote_size", "remote_ttl", "layerwise", "prefetch_depth")
 
 
 def _settings(args):
@@ -36,7 +55,14 @@ def _settings(args):
                          check_layers=args.check_layers, recompute_ratios=args.recompute_ratios,
                          deviation=args.deviation, check_layer_kv=args.check_layer_kv,
                          weight_by_attention=args.weight_by_attention,
-                         chunk_context=args.chunk_context, separator=args.separator)
+                         chunk_context=args.chunk_context, separator=args.separator,
+                         **{name: getattr(args, name) for name in _STORE_FIELDS})
+
+
+def _store_settings(args):
+    from .config import load_settings
+
+    return load_settings(args.config, **{name: getattr(args, name) for name in _STORE_FIELDS})
 
 
 def _llm(args):
@@ -60,7 +86,9 @@ def cmd_generate(args) -> int:
     print(out.text)
     m = out.metrics
     print(f"[{m.mode}] prompt {m.prompt_tokens} tok, TTFT {m.ttft_s * 1000:.0f} ms, reused {m.reused_tokens}, "
-          f"recomputed {m.recomputed_tokens}, decode {m.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
+          f"recomputed {m.recomputed_tokens}, decode {m.decode_tokens_per_s:.1f} tok/s, "
+          f"chunks from {','.join(m.chunk_tiers) or '-'}", file=sys.stderr)
+    llm.close()
     return 0
 
 
@@ -87,6 +115,7 @@ def cmd_demo(args) -> int:
             table.add_row(label, mode, out.text.strip(), f"{m.ttft_s * 1000:.0f}",
                           f"{m.recomputed_tokens} / {m.prompt_tokens}")
     console.print(table)
+    llm.close()
     return 0
 
 
@@ -110,6 +139,39 @@ def cmd_eval(args) -> int:
     print(format_table(results["rows"]))
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
     return 0
+
+
+def cmd_store(args) -> int:
+    from .store import commands
+
+    if args.store_command == "put":
+        return commands.cmd_put(_settings(args), args.files, args.data, args.limit)
+    settings = _store_settings(args)
+    if args.store_command == "ls":
+        return commands.cmd_ls(settings, args.tier)
+    if args.store_command == "evict":
+        return commands.cmd_evict(settings, args.keys, args.all, args.tier)
+    return commands.cmd_verify(settings, args.tier)
+
+
+def _add_store_parser(sub) -> None:
+    store = sub.add_parser("store", help="precompute, list, evict and verify stored chunk KV")
+    ssub = store.add_subparsers(dest="store_command", required=True)
+    put = ssub.add_parser("put", help="precompute chunks of text files or a dataset into the tiers")
+    _add_engine_flags(put)
+    put.add_argument("files", nargs="*", help="text files, one document each")
+    put.add_argument("--data", help="a dataset file (as for eval): every record's passages")
+    put.add_argument("--limit", type=int)
+    for name, text in (("ls", "entries: key, tokens, bytes, tier"), ("evict", "delete entries"),
+                       ("verify", "check every entry's checksums; delete bad ones")):
+        p = ssub.add_parser(name, help=text)
+        p.add_argument("--config", help="YAML settings file")
+        _add_store_flags(p)
+        p.add_argument("--tier", choices=["disk", "redis"], help="only this tier")
+        if name == "evict":
+            p.add_argument("keys", nargs="*", help="keys or key prefixes")
+            p.add_argument("--all", action="store_true")
+    store.set_defaults(func=cmd_store)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--nq-gold-pos", type=int, default=0)
     ev.add_argument("--out", default="results/eval")
     ev.set_defaults(func=cmd_eval)
+
+    _add_store_parser(sub)
     return parser
 
 
