@@ -120,6 +120,10 @@ class Settings(BaseSettings):
     # Layers of stored KV read and re-encoded ahead of compute by a background thread (with
     # `layerwise`); 0 reads each layer when it is needed.
     prefetch_depth: int = Field(default=2, ge=0)
+    # Raise the recompute ratio above recompute_ratios (a floor) when reading stored KV is slower
+    # than computing, from measured tier bandwidth and compute speed. Off by default: its choices
+    # follow timings, so outputs then depend on the machine's load.
+    loading_controller: bool = False
 
     @field_validator("mode", mode="before")
     @classmethod

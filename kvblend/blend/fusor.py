@@ -11,6 +11,7 @@ cached rows.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -51,6 +52,8 @@ class PrefillStats:
     chunk_misses: int = 0
     compute_frac: float = 1.0  # computed (layer, row) pairs / a full prefill's
     load_wait_s: float = 0.0  # time the layers waited for stored KV to be read and re-encoded
+    compute_s: float = 0.0  # time in the layers, waits excluded: what the loading controller measures
+    controller: dict | None = None  # the loading controller's decision, where it ran
     chunk_tiers: list[str] = field(default_factory=list)  # per chunk: memory, disk, redis or miss
     bad_entries: int = 0  # stored entries found bad during this request (discarded, recomputed)
     selected_positions: list[int] = field(default_factory=list)  # reused rows chosen for recompute
@@ -166,6 +169,7 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     else:
         chunk_from, active = 0, must  # reuse: only the must-compute rows
     selector = Selector(checks, cfg, reused, None) if checks else None
+    t0 = time.perf_counter()
     loader.start(chunk_from)
     try:
         if probe_watch is not None:
@@ -176,6 +180,7 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
         loader.close()
     active = out.active
     stats.load_wait_s = loader.wait_s
+    stats.compute_s = time.perf_counter() - t0 - loader.wait_s
 
     still_reused = reused.clone()
     still_reused[active] = False

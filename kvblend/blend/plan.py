@@ -20,10 +20,11 @@ class ChunkRef:
     span: Span
     key: str
     kv: ChunkKV | StoredEntry | None  # None: a miss, computed in the request and stored after it
+    note: str | None = None  # why a stored chunk is computed anyway (the loading controller)
 
     @property
     def tier(self) -> str:
-        return self.kv.tier if self.kv is not None else "miss"
+        return self.kv.tier if self.kv is not None else (self.note or "miss")
 
 
 @dataclass

@@ -8,10 +8,11 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..blend.controller import LoadingController
 from ..blend.encode import encode_chunks
 from ..blend.fusor import MODES, BlendConfig, PrefillOutput, PrefillStats, prefill
 from ..blend.plan import KeyScheme, Plan, block_bounds, make_plan
@@ -51,6 +52,7 @@ class RequestMetrics:
     load_wait_s: float = 0.0  # time compute waited for stored KV
     chunk_tiers: list[str] = field(default_factory=list)  # per chunk: memory, disk, redis or miss
     bad_entries: int = 0  # bad stored entries met (discarded and recomputed)
+    controller: dict | None = None  # the loading controller's decision (ratio, chunks dropped, why)
 
     @classmethod
     def from_prefill(cls, mode: str, n: int, stats: PrefillStats) -> "RequestMetrics":
@@ -58,7 +60,8 @@ class RequestMetrics:
                    reused_tokens=stats.reused_tokens, recomputed_tokens=stats.recomputed_tokens,
                    chunk_hits=stats.chunk_hits, chunk_misses=stats.chunk_misses,
                    compute_frac=stats.compute_frac, selected_positions=stats.selected_positions,
-                   load_wait_s=stats.load_wait_s, chunk_tiers=stats.chunk_tiers, bad_entries=stats.bad_entries)
+                   load_wait_s=stats.load_wait_s, chunk_tiers=stats.chunk_tiers, bad_entries=stats.bad_entries,
+                   controller=stats.controller)
 
 
 @dataclass
@@ -87,6 +90,8 @@ class Engine:
         self.spec = EntrySpec(model.fingerprint, dtype_name(model.dtype), r.n_layers, r.n_kv_heads, r.head_dim)
         self.store = build_store(s, self.spec)
         self.prefetch_depth = s.prefetch_depth if s.layerwise else 0
+        self.controller = LoadingController(self.store) if s.loading_controller else None
+        self.store.pick_by_bandwidth = s.loading_controller
         # Models without a tokenizer (tests' tiny random models) name their separator ids.
         self.sep_ids = sep_ids or separator_ids(self.tokenizer, s.separator)
         self.eos_ids = _eos_ids(model)
@@ -134,9 +139,11 @@ class Engine:
         while True:
             store = self.store if bad < MAX_BAD_ENTRIES else _NoStore()
             plan = self.plan(token_ids, mode, store)
+            cfg, decision = blend_cfg or self.blend_cfg, None
+            if self.controller is not None and mode == "blend":
+                cfg, decision = self.controller.decide(plan, cfg)
             try:
-                out = prefill(self.runner, plan, mode, blend_cfg or self.blend_cfg, extra_capacity,
-                              self.prefetch_depth)
+                out = prefill(self.runner, plan, mode, cfg, extra_capacity, self.prefetch_depth)
             except BadEntry as e:
                 log.warning("%s; recomputing", e)
                 self.store.discard(e)
@@ -144,6 +151,10 @@ class Engine:
                 continue
             # Bad entries met at lookup (header) and while reading layers, in this request.
             out.stats.bad_entries = self.store.bad_entries() - bad_before
+            if self.controller is not None:
+                s = out.stats
+                self.controller.observe(s.compute_frac * self.runner.n_layers * plan.n_tokens, s.compute_s)
+                s.controller = asdict(decision) if decision else None
             return plan, out
 
     def close(self) -> None:

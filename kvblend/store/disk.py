@@ -27,8 +27,8 @@ META_KEY = "kvblend"
 
 
 class DiskEntry(StoredEntry):
-    def __init__(self, meta: EntryMeta, handle):
-        super().__init__(meta, "disk")
+    def __init__(self, meta: EntryMeta, handle, meter=None):
+        super().__init__(meta, "disk", meter)
         self._f = handle  # safe_open keeps the file mapped: a later rename or unlink can't tear it
 
     def _read_layer(self, layer: int):
@@ -103,7 +103,7 @@ class DiskTier(Counters):
             os.utime(self.path(key))  # recency survives a restart
         except OSError:
             pass
-        return DiskEntry(*opened)
+        return DiskEntry(*opened, self.meter)
 
     def header(self, key: str) -> EntryMeta | None:
         opened = self._open(key)

@@ -46,7 +46,7 @@ def decode_layer(data: bytes, meta: EntryMeta) -> tuple[torch.Tensor, torch.Tens
 
 class RedisEntry(StoredEntry):
     def __init__(self, meta: EntryMeta, tier: RedisTier):
-        super().__init__(meta, "redis")
+        super().__init__(meta, "redis", tier.meter)
         self._tier = tier
 
     def _read_layer(self, layer: int):

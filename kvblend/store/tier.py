@@ -6,6 +6,7 @@ A tier maps keys to chunk KV with a capacity in bytes and LRU eviction. `get` re
 
 from __future__ import annotations
 
+import time
 from typing import Protocol
 
 import torch
@@ -34,11 +35,27 @@ class Tier(Protocol):
     def counters(self) -> dict[str, int]: ...
 
 
+class Meter:
+    """A measured rate (bytes/s of a tier's layer reads, rows/s of compute), smoothed so one
+    slow read moves it but does not own it. None until first measured."""
+
+    def __init__(self, weight: float = 0.3):
+        self.rate: float | None = None
+        self.weight = weight
+
+    def record(self, amount: float, seconds: float) -> None:
+        if amount <= 0 or seconds <= 0:
+            return
+        r = amount / seconds
+        self.rate = r if self.rate is None else (1 - self.weight) * self.rate + self.weight * r
+
+
 class Counters:
     """What a tier counts; `counters()` is what metrics and `kvblend store ls` show."""
 
     def __init__(self):
         self.hits = self.misses = self.puts = self.evictions = self.bad_entries = self.write_errors = 0
+        self.meter = Meter()  # bytes/s of this tier's layer reads, checks included
 
     def counters(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in
@@ -49,8 +66,8 @@ class StoredEntry:
     """An entry of a slower tier, its header already checked; layers are read (and their digests
     checked) one at a time, so the loader can fetch layer l+1 while layer l computes."""
 
-    def __init__(self, meta: EntryMeta, tier: str):
-        self.meta, self.tier, self.key = meta, tier, meta.key
+    def __init__(self, meta: EntryMeta, tier: str, meter: Meter | None = None):
+        self.meta, self.tier, self.key, self.meter = meta, tier, meta.key, meter
         self.positions = torch.tensor(meta.positions, dtype=torch.long)
 
     @property
@@ -69,6 +86,7 @@ class StoredEntry:
         raise NotImplementedError
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        t0 = time.perf_counter()
         try:
             k, v = self._read_layer(layer)
         except BadEntry:
@@ -78,6 +96,8 @@ class StoredEntry:
         why = check_layer(self.meta, layer, k, v)
         if why:
             raise BadEntry(self.key, self.tier, why)
+        if self.meter is not None:
+            self.meter.record(self.meta.layer_nbytes, time.perf_counter() - t0)
         return k, v
 
     def materialize(self) -> ChunkKV:

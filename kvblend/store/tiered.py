@@ -33,6 +33,7 @@ class TieredStore:
         self._promoting: set[str] = set()
         self._lock = threading.Lock()
         self.promotions = 0
+        self.pick_by_bandwidth = False  # the loading controller's choice of tier, see read_order
 
     @property
     def _writer(self) -> BackgroundWriter:
@@ -46,8 +47,19 @@ class TieredStore:
 
     # ---- reading -----------------------------------------------------------------------------
 
+    def read_order(self) -> list[Tier]:
+        """Memory, then the slower tiers: as configured, or (picking by bandwidth) fastest
+        measured first, a tier not measured yet before them so that it gets measured."""
+        if not self.pick_by_bandwidth:
+            return self.tiers
+        fast = [t for t in self.tiers if isinstance(t, MemoryStore)]
+        slow = [t for t in self.tiers if not isinstance(t, MemoryStore)]
+        slow.sort(key=lambda t: -(t.meter.rate if t.meter.rate is not None else float("inf")))
+        return fast + slow
+
     def get(self, key: str) -> ChunkKV | StoredEntry | None:
-        for i, tier in enumerate(self.tiers):
+        order = self.read_order()
+        for i, tier in enumerate(order):
             value = tier.get(key)
             if value is not None:
                 if i > 0:
@@ -55,15 +67,15 @@ class TieredStore:
                         fresh = key not in self._promoting
                         self._promoting.add(key)
                     if fresh:
-                        self._writer.submit(self._promote, key, value, i)
+                        self._writer.submit(self._promote, key, value, order[:i])
                 return value
         with self._lock:
             return self._pending.get(key)
 
-    def _promote(self, key: str, entry: StoredEntry, found_at: int) -> None:
+    def _promote(self, key: str, entry: StoredEntry, faster: list[Tier]) -> None:
         try:
             kv = entry.materialize()
-            for tier in self.tiers[:found_at]:
+            for tier in faster:
                 tier.put(key, kv)
             self.promotions += 1
         except BadEntry as e:
