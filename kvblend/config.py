@@ -120,6 +120,9 @@ class Settings(BaseSettings):
     # Layers of stored KV read and re-encoded ahead of compute by a background thread (with
     # `layerwise`); 0 reads each layer when it is needed.
     prefetch_depth: int = Field(default=2, ge=0)
+    # Store chunk KV as int8 with a float16 scale per token and head (exact prefix blocks stay
+    # exact): about a quarter of fp32's bytes; its fidelity cost is in the README.
+    kv_int8: bool = False
     # Raise the recompute ratio above recompute_ratios (a floor) when reading stored KV is slower
     # than computing, from measured tier bandwidth and compute speed. Off by default: its choices
     # follow timings, so outputs then depend on the machine's load.

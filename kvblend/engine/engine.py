@@ -23,6 +23,7 @@ from ..model.rotary import check_rerotation
 from ..model.runner import Runner
 from ..store.chunk_kv import ChunkKV
 from ..store.entry_format import BadEntry, EntrySpec, dtype_name
+from ..store.int8 import quantize
 from ..store.tiered import build_store
 from .sampler import Sampler, SamplingParams
 
@@ -85,7 +86,8 @@ class Engine:
                                      s.weight_by_attention)
         bos = getattr(self.tokenizer, "bos_token_id", None)
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
-        self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos)
+        self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos,
+                              s.kv_int8)
         r = self.runner
         self.spec = EntrySpec(model.fingerprint, dtype_name(model.dtype), r.n_layers, r.n_kv_heads, r.head_dim)
         self.store = build_store(s, self.spec)
@@ -190,7 +192,7 @@ class Engine:
             self.runner.forward(torch.tensor(exact), torch.arange(len(exact)), cache)
             self.store_prefix(token_ids, seg, cache.k, cache.v, len(exact))
         for key, kv in zip(todo, encode_chunks(self.runner, context, list(todo.values()))):
-            self.store.put(key, kv)
+            self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
         return len(todo)
 
     def store_after(self, token_ids: list[int], plan: Plan, out: PrefillOutput, mode: str) -> None:

@@ -33,5 +33,9 @@ class ChunkKV:
         it from disk or Redis one layer at a time)."""
         return self.k[layer], self.v[layer]
 
+    def parts(self, layer: int) -> dict[str, torch.Tensor]:
+        """The tensors stored for one layer (int8 entries add their scales)."""
+        return {"k": self.k[layer], "v": self.v[layer]}
+
     def materialize(self) -> ChunkKV:
         return self

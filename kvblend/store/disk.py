@@ -1,4 +1,5 @@
-"""Local disk tier: one safetensors file per entry, tensors k.<layer> and v.<layer>, the entry
+"""Local disk tier: one safetensors file per entry, tensors k.<layer> and v.<layer> (int8 entries
+add k_scale.<layer>, v_scale.<layer>), the entry
 header (entry_format) in the safetensors metadata. Written to a temporary file and renamed, so a
 reader sees a whole entry or none; read lazily, one layer at a time, through safe_open.
 
@@ -19,6 +20,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from .chunk_kv import ChunkKV
 from .entry_format import EntryMeta, EntrySpec, check_meta, describe
+from .int8 import QuantKV
 from .tier import Counters, StoredEntry
 
 log = logging.getLogger(__name__)
@@ -32,7 +34,7 @@ class DiskEntry(StoredEntry):
         self._f = handle  # safe_open keeps the file mapped: a later rename or unlink can't tear it
 
     def _read_layer(self, layer: int):
-        return self._f.get_tensor(f"k.{layer}"), self._f.get_tensor(f"v.{layer}")
+        return {name: self._f.get_tensor(f"{name}.{layer}") for name in self.meta.part_specs()}
 
 
 class DiskTier(Counters):
@@ -118,7 +120,7 @@ class DiskTier(Counters):
 
     # ---- writing -----------------------------------------------------------------------------
 
-    def put(self, key: str, kv: ChunkKV) -> bool:
+    def put(self, key: str, kv: ChunkKV | QuantKV) -> bool:
         """Write an entry; False (counted, logged) when it can't be: too large, disk full,
         read-only. Never raises for I/O: the request that computed the KV has its answer."""
         if kv.nbytes > self.capacity_bytes:
@@ -133,8 +135,8 @@ class DiskTier(Counters):
             return True
         meta = describe(key, kv, self.spec.fingerprint)
         # safetensors refuses views of one tensor: each layer gets its own copy.
-        tensors = {f"{kind}.{layer}": t[layer].clone() for layer in range(kv.n_layers)
-                   for kind, t in (("k", kv.k), ("v", kv.v))}
+        tensors = {f"{name}.{layer}": t.clone() for layer in range(kv.n_layers)
+                   for name, t in kv.parts(layer).items()}
         data = safetensors_bytes(tensors, metadata={META_KEY: meta.to_json()})
         tmp = self.root / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:

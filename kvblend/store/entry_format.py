@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -55,6 +56,7 @@ class EntryMeta:
     positions: list[int]
     layer_sha256: list[str]
     checksum: str  # sha256 over the layer digests: the whole entry's data
+    quant: str = ""  # "" (stored in `dtype`) or "int8" (int8 with float16 scales, decoded to `dtype`)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -71,9 +73,20 @@ class EntryMeta:
     def layer_shape(self) -> tuple[int, int, int]:
         return (self.n_kv_heads, self.n_tokens, self.head_dim)
 
+    def part_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The tensors stored per layer, in storage and digest order, with dtype and shape."""
+        if self.quant == "int8":
+            scale = (self.n_kv_heads, self.n_tokens, 1)
+            return {"k": (torch.int8, self.layer_shape), "v": (torch.int8, self.layer_shape),
+                    "k_scale": (torch.float16, scale), "v_scale": (torch.float16, scale)}
+        if self.quant:
+            raise ValueError(f"unknown quantization {self.quant!r}")
+        dt = dtype_of(self.dtype)
+        return {"k": (dt, self.layer_shape), "v": (dt, self.layer_shape)}
+
     @property
     def layer_nbytes(self) -> int:
-        return 2 * self.n_kv_heads * self.n_tokens * self.head_dim * dtype_of(self.dtype).itemsize
+        return sum(dt.itemsize * math.prod(shape) for dt, shape in self.part_specs().values())
 
     @property
     def nbytes(self) -> int:
@@ -97,9 +110,10 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def layer_digest(k: torch.Tensor, v: torch.Tensor) -> str:
-    h = hashlib.sha256(raw_bytes(k))  # hashlib releases the GIL on large buffers
-    h.update(raw_bytes(v))
+def layer_digest(parts: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in parts.values():
+        h.update(raw_bytes(t))  # hashlib releases the GIL on large buffers
     return h.hexdigest()
 
 
@@ -107,11 +121,14 @@ def entry_checksum(layer_sha256: list[str]) -> str:
     return hashlib.sha256("".join(layer_sha256).encode()).hexdigest()
 
 
-def describe(key: str, kv: ChunkKV, fingerprint: str) -> EntryMeta:
-    L, H, n, d = kv.k.shape
-    digests = [layer_digest(kv.k[layer], kv.v[layer]) for layer in range(L)]
-    return EntryMeta(FORMAT_VERSION, key, fingerprint, dtype_name(kv.k.dtype), L, H, n, d,
-                     [int(p) for p in kv.positions], digests, entry_checksum(digests))
+def describe(key: str, kv, fingerprint: str) -> EntryMeta:
+    """The header of a ChunkKV or an int8 QuantKV."""
+    quant = "int8" if hasattr(kv, "kq") else ""
+    L, H, n, d = (kv.kq if quant else kv.k).shape
+    dtype = kv.dtype if quant else kv.k.dtype
+    digests = [layer_digest(kv.parts(layer)) for layer in range(L)]
+    return EntryMeta(FORMAT_VERSION, key, fingerprint, dtype_name(dtype), L, H, n, d,
+                     [int(p) for p in kv.positions], digests, entry_checksum(digests), quant)
 
 
 def check_meta(meta: EntryMeta, key: str, spec: EntrySpec | None) -> str | None:
@@ -134,11 +151,14 @@ def check_meta(meta: EntryMeta, key: str, spec: EntrySpec | None) -> str | None:
     return None
 
 
-def check_layer(meta: EntryMeta, layer: int, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    if tuple(k.shape) != meta.layer_shape or tuple(v.shape) != meta.layer_shape:
-        return f"layer {layer} has shape {tuple(k.shape)}, header says {meta.layer_shape}"
-    if dtype_name(k.dtype) != meta.dtype or dtype_name(v.dtype) != meta.dtype:
-        return f"layer {layer} is {k.dtype}, header says {meta.dtype}"
-    if layer_digest(k, v) != meta.layer_sha256[layer]:
+def check_layer(meta: EntryMeta, layer: int, parts: dict[str, torch.Tensor]) -> str | None:
+    specs = meta.part_specs()
+    if list(parts) != list(specs):
+        return f"layer {layer} holds {list(parts)}, header says {list(specs)}"
+    for name, (dt, shape) in specs.items():
+        t = parts[name]
+        if tuple(t.shape) != shape or t.dtype != dt:
+            return f"layer {layer} {name} is {t.dtype} {tuple(t.shape)}, header says {dt} {shape}"
+    if layer_digest(parts) != meta.layer_sha256[layer]:
         return f"layer {layer} checksum mismatch"
     return None

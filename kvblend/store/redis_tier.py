@@ -12,6 +12,7 @@ for `retry_s`, then tries again (redis-py reconnects by itself)."""
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 
@@ -21,7 +22,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .chunk_kv import ChunkKV
-from .entry_format import BadEntry, EntryMeta, EntrySpec, check_meta, describe, dtype_of, raw_bytes
+from .entry_format import BadEntry, EntryMeta, EntrySpec, check_meta, describe, raw_bytes
 from .tier import Counters, StoredEntry
 
 log = logging.getLogger(__name__)
@@ -32,16 +33,19 @@ class TierDown(Exception):
     pass
 
 
-def encode_layer(k: torch.Tensor, v: torch.Tensor) -> bytes:
-    return bytes(raw_bytes(k)) + bytes(raw_bytes(v))
+def encode_layer(parts: dict[str, torch.Tensor]) -> bytes:
+    return b"".join(bytes(raw_bytes(t)) for t in parts.values())
 
 
-def decode_layer(data: bytes, meta: EntryMeta) -> tuple[torch.Tensor, torch.Tensor]:
+def decode_layer(data: bytes, meta: EntryMeta) -> dict[str, torch.Tensor]:
     if len(data) != meta.layer_nbytes:
         raise ValueError(f"{len(data)} bytes, header says {meta.layer_nbytes}")
-    flat = torch.frombuffer(bytearray(data), dtype=dtype_of(meta.dtype))
-    half = flat.numel() // 2
-    return flat[:half].view(meta.layer_shape), flat[half:].view(meta.layer_shape)
+    buf, parts, at = bytearray(data), {}, 0
+    for name, (dt, shape) in meta.part_specs().items():
+        n = dt.itemsize * math.prod(shape)
+        parts[name] = torch.frombuffer(buf, dtype=dt, count=math.prod(shape), offset=at).view(shape)
+        at += n
+    return parts
 
 
 class RedisEntry(StoredEntry):
@@ -189,7 +193,7 @@ class RedisTier(Counters):
         size = meta.nbytes
         if size > self.capacity_bytes:
             return False
-        layers = {str(layer): encode_layer(kv.k[layer], kv.v[layer]) for layer in range(kv.n_layers)}
+        layers = {str(layer): encode_layer(kv.parts(layer)) for layer in range(kv.n_layers)}
         ttl = self.ttl_s
 
         def write(c) -> bool:

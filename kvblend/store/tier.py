@@ -12,7 +12,8 @@ from typing import Protocol
 import torch
 
 from .chunk_kv import ChunkKV
-from .entry_format import BadEntry, EntryMeta, check_layer
+from .entry_format import BadEntry, EntryMeta, check_layer, dtype_of
+from .int8 import QuantKV, dequantize_tensor
 
 
 class Tier(Protocol):
@@ -82,25 +83,38 @@ class StoredEntry:
     def nbytes(self) -> int:
         return self.meta.nbytes
 
-    def _read_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read_layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """The stored tensors of one layer, named as in EntryMeta.part_specs."""
         raise NotImplementedError
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def parts(self, layer: int) -> dict[str, torch.Tensor]:
         t0 = time.perf_counter()
         try:
-            k, v = self._read_layer(layer)
+            parts = self._read_layer(layer)
         except BadEntry:
             raise
         except Exception as e:  # truncated file, missing value, undecodable bytes: all a miss
             raise BadEntry(self.key, self.tier, f"layer {layer} unreadable ({type(e).__name__}: {e})") from e
-        why = check_layer(self.meta, layer, k, v)
+        why = check_layer(self.meta, layer, parts)
         if why:
             raise BadEntry(self.key, self.tier, why)
         if self.meter is not None:
             self.meter.record(self.meta.layer_nbytes, time.perf_counter() - t0)
-        return k, v
+        return parts
 
-    def materialize(self) -> ChunkKV:
-        """Every layer read and checked: what promotion to a faster tier stores."""
-        ks, vs = zip(*(self.layer(layer) for layer in range(self.n_layers)))
-        return ChunkKV(torch.stack(ks), torch.stack(vs), self.positions.clone())
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V [Hkv, n, d] of one layer in the model's dtype, read and checked."""
+        p = self.parts(layer)
+        if self.meta.quant == "int8":
+            dt = dtype_of(self.meta.dtype)
+            return dequantize_tensor(p["k"], p["k_scale"], dt), dequantize_tensor(p["v"], p["v_scale"], dt)
+        return p["k"], p["v"]
+
+    def materialize(self) -> ChunkKV | QuantKV:
+        """Every layer read and checked, as stored: what promotion to a faster tier keeps."""
+        layers = [self.parts(layer) for layer in range(self.n_layers)]
+        stack = {name: torch.stack([p[name] for p in layers]) for name in layers[0]}
+        if self.meta.quant == "int8":
+            return QuantKV(stack["k"], stack["v"], stack["k_scale"], stack["v_scale"], self.positions.clone(),
+                           dtype_of(self.meta.dtype))
+        return ChunkKV(stack["k"], stack["v"], self.positions.clone())
