@@ -339,6 +339,7 @@ def test_tiered_store_reads_in_order_promotes_and_writes_behind(tmp_path, redis_
     assert "chunk-a" in store and memory.get("chunk-a") is not None
     store.flush()
     assert "chunk-a" in disk and "chunk-a" in remote
+    assert len(store) == 3 and store.used_bytes == sum(t.used_bytes for t in (memory, disk, remote)) > 0
 
     remote.put("chunk-b", kv(seed=2))  # only in Redis, e.g. stored by another server
     got = store.get("chunk-b")

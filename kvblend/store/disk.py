@@ -118,6 +118,9 @@ class DiskTier(Counters):
         with self._lock:
             return list(self._index)
 
+    def __len__(self) -> int:
+        return len(self._index)
+
     # ---- writing -----------------------------------------------------------------------------
 
     def put(self, key: str, kv: ChunkKV | QuantKV) -> bool:

@@ -177,6 +177,12 @@ class RedisTier(Counters):
         except TierDown:
             return []
 
+    def __len__(self) -> int:
+        try:
+            return int(self._run(lambda c: c.zcard(self._lru)))
+        except TierDown:
+            return 0
+
     @property
     def used_bytes(self) -> int:
         try:

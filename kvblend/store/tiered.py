@@ -134,6 +134,15 @@ class TieredStore:
 
     # ---- reporting ---------------------------------------------------------------------------
 
+    @property
+    def used_bytes(self) -> int:
+        """Bytes held, summed over the tiers."""
+        return sum(t.used_bytes for t in self.tiers)
+
+    def __len__(self) -> int:
+        """Entries held, summed over the tiers (an entry in two tiers counts twice)."""
+        return sum(len(t) for t in self.tiers)
+
     def bad_entries(self) -> int:
         return sum(t.counters()["bad_entries"] for t in self.tiers)
 
