@@ -63,6 +63,14 @@ def test_tier_slower_than_recompute_is_not_read(tmp_path):
     assert [c.tier for c in plan.chunks] == ["disk: recomputed"] * 4
 
 
+def test_a_dropped_tier_is_read_again_now_and_then_to_remeasure_it(tmp_path):
+    engine, disk, ctl = disk_engine(tmp_path)
+    disk.meter.rate, ctl.compute.rate = 1.0, 1e6
+    dropped = [ctl.decide(engine.plan(ASKED, "blend"), engine.blend_cfg)[1].dropped
+               for _ in range(2 * ctl.REMEASURE_EVERY)]
+    assert dropped.count(0) == 2 and dropped[ctl.REMEASURE_EVERY - 1] == 0 and set(dropped) == {0, 4}
+
+
 def test_throttled_tier_is_worked_around_and_the_decision_is_in_the_metrics(tmp_path):
     engine = stored_engine("disk", tmp_path, loading_controller=True)
     engine.store.tiers[0] = Throttled(engine.store.tiers[0], bytes_per_s=50_000)  # ~0.1 s a layer

@@ -28,9 +28,14 @@ class Decision:
 
 
 class LoadingController:
+    # A tier whose chunks are recomputed is no longer read, so no longer measured: one decision
+    # in this many reads it anyway, to see whether it got faster.
+    REMEASURE_EVERY = 16
+
     def __init__(self, store):
         self.store = store
         self.compute = Meter()  # (layer, row) pairs per second
+        self.decisions = 0
 
     def observe(self, computed_pairs: float, compute_s: float) -> None:
         self.compute.record(computed_pairs, compute_s)
@@ -64,13 +69,15 @@ class LoadingController:
             return plan.n_tokens - plan.prefix_hit - reused, reused
 
         must, reused = rows()
+        self.decisions += 1
+        remeasure = self.decisions % self.REMEASURE_EVERY == 0
         at_floor = (must + floor * reused) / speed
         if load <= at_floor:
             return cfg, Decision(floor, floor, 0, load, at_floor, "compute-bound: loading hides behind compute")
         dropped = 0
         slow = sorted((c for c in plan.chunks if c.kv is not None and c.tier != "memory"),
                       key=lambda c: self._rate(c.tier))
-        while slow and load > (must + reused) / speed:  # reading is slower than recomputing it all
+        while slow and not remeasure and load > (must + reused) / speed:  # reading is slower than recomputing it all
             c = slow.pop(0)
             load -= c.kv.meta.layer_nbytes / self._rate(c.tier)
             c.kv, c.note = None, f"{c.tier}: recomputed"

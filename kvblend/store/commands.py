@@ -70,7 +70,8 @@ def cmd_ls(settings: Settings, tier: str | None) -> int:
             if meta is None:
                 continue
             total += 1
-            table.add_row(t.name, key, str(meta.n_tokens), str(meta.nbytes), meta.dtype, meta.fingerprint)
+            dtype = meta.dtype + (f" ({meta.quant})" if meta.quant else "")
+            table.add_row(t.name, key, str(meta.n_tokens), str(meta.nbytes), dtype, meta.fingerprint)
     Console().print(table)
     for t in _tiers(store, tier):
         print(f"{t.name}: {t.used_bytes} of {t.capacity_bytes} bytes")
