@@ -129,7 +129,7 @@ class Engine:
         return segment(token_ids, self.sep_ids)
 
     def plan(self, token_ids: list[int], mode: str, store=None) -> Plan:
-        return make_plan(token_ids, self.segments(token_ids), self.keys, store or self.store,
+        return make_plan(token_ids, self.segments(token_ids), self.keys, self.store if store is None else store,
                          use_prefix=mode != "full", use_chunks=mode in ("reuse", "blend"))
 
     def prefill(self, token_ids: list[int], mode: str, extra_capacity: int = 0,

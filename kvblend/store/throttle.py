@@ -18,6 +18,9 @@ class Throttled:
     def __contains__(self, key: str) -> bool:
         return key in self.inner
 
+    def __len__(self) -> int:
+        return len(self.inner)
+
     def get(self, key: str):
         entry = self.inner.get(key)
         if entry is None or not hasattr(entry, "_read_layer"):
