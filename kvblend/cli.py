@@ -25,6 +25,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-layer-kv", choices=["fresh", "cached"])
     p.add_argument("--weight-by-attention", action=argparse.BooleanOptionalAction, default=None,
                    help="weight HKVD scores by the attention the suffix pays each token")
+    p.add_argument("--stale-key-scale", type=float,
+                   help="scale the attention paid to stale chunk keys (0 < s <= 1; 1 = exact)")
+    p.add_argument("--probe-layers", type=int, help="layers the attention probe walks (default: all)")
     p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
     p.add_argument("--separator")
     _add_store_flags(p)
@@ -58,7 +61,8 @@ def _settings(args):
     return load_settings(args.config, model=args.model, dtype=args.dtype, device=args.device, mode=args.mode,
                          check_layers=args.check_layers, recompute_ratios=args.recompute_ratios,
                          deviation=args.deviation, check_layer_kv=args.check_layer_kv,
-                         weight_by_attention=args.weight_by_attention,
+                         weight_by_attention=args.weight_by_attention, stale_key_scale=args.stale_key_scale,
+                         probe_layers=args.probe_layers,
                          chunk_context=args.chunk_context, separator=args.separator,
                          **{name: getattr(args, name) for name in _STORE_FIELDS})
 

@@ -1,10 +1,12 @@
 """How query rows are grouped into attention calls, and that the grouping never changes a row."""
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from kvblend.model.runner import KEY_BLOCK, attend, query_groups
+from kvblend.model.runner import KEY_BLOCK, attend, biased_groups, query_groups
 
 
 def _check_partition(groups, q_pos, n_keys):
@@ -55,3 +57,20 @@ def test_rows_attend_exactly_as_in_a_full_causal_pass(rows):
             "scattered": torch.randperm(T, generator=g)[:300].sort().values}[rows]
     out = attend(q[:, pick], k, v, query_groups(pick, T), q.shape[-1] ** -0.5)
     assert torch.equal(out, full[:, pick])
+
+
+@pytest.mark.parametrize("rows", ["scattered", "decode", "causal"])
+def test_biased_groups_add_the_key_bias_to_the_logits(rows):
+    """Float masks from biased_groups: softmax(q k^T * scale + bias) over the keys a row sees."""
+    g = torch.Generator().manual_seed(2)
+    T = 900
+    q, k, v = (torch.randn(h, T, 16, generator=g) for h in (4, 2, 2))
+    bias = torch.where(torch.rand(T, generator=g) < 0.5, math.log(0.3), 0.0)
+    pick = {"scattered": torch.randperm(T, generator=g)[:200].sort().values, "decode": torch.tensor([T - 1]),
+            "causal": torch.arange(T)}[rows]
+    scale = 16 ** -0.5
+    out = attend(q[:, pick], k, v, biased_groups(query_groups(pick, T), bias), scale)
+    kk, vv = k.repeat_interleave(2, dim=0), v.repeat_interleave(2, dim=0)
+    logits = q[:, pick] @ kk.transpose(1, 2) * scale + bias
+    logits = logits.masked_fill(torch.arange(T)[None, :] > pick[:, None], float("-inf"))
+    torch.testing.assert_close(out, logits.softmax(-1) @ vv, atol=1e-5, rtol=1e-5)

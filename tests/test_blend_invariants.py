@@ -1,5 +1,6 @@
 """CacheBlend invariants on tiny random models of every family (DESIGN section 1)."""
 
+import math
 import warnings
 from dataclasses import replace
 
@@ -182,3 +183,82 @@ def test_prefix_mode_reuses_exact_prefix_and_matches_full():
     torch.testing.assert_close(out.logits, full.logits, atol=1e-4, rtol=1e-4)
     reordered = prompt([cs[1], cs[0], cs[2]])
     assert engine.plan(reordered, "prefix").prefix_hit == len(PREFIX) + len(SEP)  # order breaks the prefix
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_stale_key_scale_keeps_the_exact_ends(family):
+    """Damping stale keys touches only stale keys: with every row recomputed blend still equals
+    full prefill, and at ratio 0 it still equals reuse with the same damping."""
+    engine = make_engine(family, stale_key_scale=0.5)
+    cs = chunks(3, seed=4)
+    engine.precompute(prompt(cs))
+    ids = prompt(cs[::-1])
+    _, full = prefill(engine, ids, "full")
+    _, blend1 = prefill(engine, ids, "blend", ratios=[1.0])
+    torch.testing.assert_close(blend1.logits, full.logits, atol=1e-4, rtol=1e-4)
+    assert all(b is None for b in blend1.cache.key_bias)
+    _, reuse = prefill(engine, ids, "reuse")
+    _, blend0 = prefill(engine, ids, "blend", ratios=[0.0])
+    assert torch.equal(reuse.logits, blend0.logits)
+    _, exact = prefill(engine, ids, "reuse", stale_key_scale=1.0)
+    assert not torch.allclose(reuse.logits, exact.logits, atol=1e-4)  # the damping acts
+
+
+def test_stale_key_bias_marks_exactly_the_stale_rows():
+    engine = make_engine(stale_key_scale=0.25)
+    cs = chunks(3, seed=5)
+    engine.precompute(prompt(cs))
+    ids = prompt(cs[::-1])
+    plan, out = prefill(engine, ids, "blend", ratios=[0.3])
+    T = len(ids)
+    stale = plan.reused_mask().clone()
+    stale[out.stats.recomputed_positions] = False
+    check = engine.blend_cfg.check_layers[0]
+    for layer, bias in enumerate(out.cache.key_bias):
+        if layer <= check:  # every row computed up to the check layer (fresh KV kept there)
+            assert bias is None
+        else:
+            assert torch.equal(bias[:T] != 0, stale) and torch.allclose(bias[:T][stale], torch.tensor(math.log(0.25)))
+    # decode reads the same bias: the next token's logits change without it
+    step = lambda: engine.runner.forward(torch.tensor([40]), torch.tensor([T]), out.cache)  # noqa: E731
+    damped = step()
+    out.cache.key_bias = [None] * engine.runner.n_layers
+    assert not torch.allclose(damped, step(), atol=1e-4)
+
+
+def test_stale_key_scale_out_of_range_is_rejected():
+    with pytest.raises(ValueError, match="stale_key_scale"):
+        Settings(stale_key_scale=0)
+    with pytest.raises(ValueError, match="stale_key_scale"):
+        replace(make_engine().blend_cfg, stale_key_scale=1.5)
+
+
+def test_growing_the_cache_grows_its_key_bias_and_keeps_it_shared():
+    from kvblend.model.runner import KVCache
+
+    cache = KVCache(3, 2, 4, 600, torch.float32, torch.device("cpu"))
+    bias = torch.zeros(600)
+    bias[5] = -1.0
+    cache.key_bias = [None, bias, bias]
+    cache.reserve(700)
+    assert cache.key_bias[0] is None and cache.key_bias[1] is cache.key_bias[2]
+    assert cache.key_bias[1].shape[0] == cache.capacity == 700 and cache.key_bias[1][5] == -1.0
+    assert not cache.key_bias[1][600:].any()
+
+
+def test_a_shallower_probe_keeps_the_exact_ends_and_costs_less():
+    engine = make_engine()
+    cs = chunks(3, seed=6)
+    engine.precompute(prompt(cs))
+    ids = prompt(cs[::-1])
+    L = engine.runner.n_layers
+    _, full = prefill(engine, ids, "full")
+    _, blend1 = prefill(engine, ids, "blend", ratios=[1.0], probe_layers=1)
+    torch.testing.assert_close(blend1.logits, full.logits, atol=1e-4, rtol=1e-4)
+    _, deep = prefill(engine, ids, "blend", ratios=[0.3])
+    _, all_layers = prefill(engine, ids, "blend", ratios=[0.3], probe_layers=L)
+    _, shallow = prefill(engine, ids, "blend", ratios=[0.3], probe_layers=2)
+    assert torch.equal(deep.logits, all_layers.logits)
+    assert shallow.stats.compute_frac < deep.stats.compute_frac
+    with pytest.raises(ValueError, match="probe_layers"):
+        replace(engine.blend_cfg, probe_layers=0)

@@ -44,8 +44,8 @@ ASKED = prompt([CS[2], CS[0], CS[3], CS[1]])  # every chunk moved
 
 
 def make_engine(disk=None, redis_url=None, memory=True, seed=0, dtype=torch.float32, **settings):
-    s = Settings(check_layers=[1], recompute_ratios=[0.15], local_cpu=memory,
-                 local_disk=str(disk) if disk else None, remote_url=redis_url, **settings)
+    s = Settings(**{"check_layers": [1], "recompute_ratios": [0.15], "local_cpu": memory,
+                    "local_disk": str(disk) if disk else None, "remote_url": redis_url, **settings})
     engine = Engine(tiny_model("llama", seed=seed, dtype=dtype), s, sep_ids=SEP)
     redis = engine.store.tier("redis")
     if redis is not None:
@@ -102,6 +102,19 @@ def test_layer_pipelining_gives_the_same_kv_as_inline_loading(tmp_path, depth):
     _, out = engine.prefill(ASKED, "blend")
     same_output(out, inline)
     assert out.stats.load_wait_s >= 0
+
+
+def test_pipelining_with_a_short_probe_and_stale_key_damping(tmp_path):
+    """The probe walks layers 0-1, the blend pass loads chunks again from its check layer 3 on
+    (layer 2 computes every row): the read-ahead thread follows that plan exactly."""
+    memory = make_engine(check_layers=[3], probe_layers=2, stale_key_scale=0.7)
+    memory.precompute(STORED)
+    _, ref = memory.prefill(ASKED, "blend")
+    engine = stored_engine("disk", tmp_path, check_layers=[3], probe_layers=2, stale_key_scale=0.7)
+    for depth in (0, 2):
+        engine.prefetch_depth = depth
+        _, out = engine.prefill(ASKED, "blend")
+        same_output(out, ref)
 
 
 def test_layerwise_off_loads_inline():

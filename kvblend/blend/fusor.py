@@ -11,6 +11,7 @@ cached rows.
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -33,8 +34,20 @@ class BlendConfig:
     # Weight each token's deviation by the attention the prompt's suffix pays it, measured in a
     # reuse pass first (a few percent of a full prefill's compute): recompute what the question reads.
     weight_by_attention: bool = True
+    # Attention to stale chunk keys (reused KV that was not recomputed at a layer) is scaled by
+    # this factor, a logit bias of log(scale) (as APE damps independently encoded contexts): such
+    # keys were computed without the other chunks before them and draw more attention than they
+    # would in a full prefill. 1.0 leaves attention exact; fresh keys are never touched.
+    stale_key_scale: float = 1.0
+    # The attention probe walks only the first `probe_layers` layers (None: all) and sums the
+    # suffix's attention there; the blend pass loads the rest. Its cost is a reuse pass's, pro rata.
+    probe_layers: int | None = None
 
     def __post_init__(self):
+        if self.probe_layers is not None and self.probe_layers < 1:
+            raise ValueError(f"probe_layers must be >= 1 (or None for every layer), got {self.probe_layers}")
+        if not 0 < self.stale_key_scale <= 1:
+            raise ValueError(f"stale_key_scale must be in (0, 1], got {self.stale_key_scale}")
         if len(self.ratios) == 1 and len(self.check_layers) > 1:
             self.ratios = self.ratios * len(self.check_layers)
         if len(self.ratios) != len(self.check_layers):
@@ -104,18 +117,42 @@ class Pass:
     attention: torch.Tensor | None  # [T] attention mass the watched rows put on each position
 
 
+class StaleBias:
+    """Sets each layer's key bias: log(scale) on the reused rows whose KV there is stale (loaded,
+    not written by this pass), no bias where there are none."""
+
+    def __init__(self, scale: float, reused: torch.Tensor, cache: KVCache):
+        self.log_scale, self.reused, self.cache = math.log(scale), reused, cache
+        self.written, self.bias = None, None
+
+    def set(self, layer: int, written: torch.Tensor) -> None:
+        if self.log_scale == 0:
+            return
+        if self.written is not written:  # the stale rows change only where the written rows do
+            stale = self.reused.clone()
+            stale[written] = False
+            self.written, self.bias = written, None
+            if bool(stale.any()):
+                self.bias = torch.zeros(self.cache.capacity, dtype=self.cache.k.dtype, device=stale.device)
+                self.bias[: stale.shape[0]][stale] = self.log_scale
+        self.cache.key_bias[layer] = self.bias
+
+
 def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, active: torch.Tensor,
-               selector: Selector | None = None, watch: torch.Tensor | None = None) -> Pass:
+               stale: StaleBias, selector: Selector | None = None, watch: torch.Tensor | None = None,
+               n_layers: int | None = None) -> Pass:
     """Every layer over the active rows, the loader supplying each layer's cached KV first (once
     per prefill); the selector narrows the rows at its check layers. `watch` (a mask over the
-    rows; no selector) sums the attention those rows pay each position, over layers."""
+    rows; no selector) sums the attention those rows pay each position, over layers. A pass may
+    stop early, after `n_layers` layers."""
     T = cache.length
     mass = torch.zeros(T, device=runner.device) if watch is not None else None
     computed = 0
-    for layer in range(runner.n_layers):
+    for layer in range(runner.n_layers if n_layers is None else n_layers):
         loader.load_layer(layer)
         q, k, v = runner.qkv(layer, rows)
         keep = selector.keep(layer, active, k, v, cache) if selector is not None else None
+        written = active  # rows not written at this layer hold loaded (stale) chunk KV, or none
         if keep is None:
             cache.write(layer, active, k, v)
         else:
@@ -125,10 +162,14 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
             rows = rows.take(keep.nonzero().squeeze(1))
             if selector.check_layer_kv == "cached":
                 cache.write(layer, active, k, v)
+                written = active
         computed += active.numel()
+        stale.set(layer, written)
         if mass is not None:
+            bias = cache.key_bias[layer]
             mass += attention_mass(q[:, watch], cache.k[layer][:, :T], active[watch],
-                                   runner.layers[layer].self_attn.scaling, runner.windows[layer])
+                                   runner.layers[layer].self_attn.scaling, runner.windows[layer],
+                                   None if bias is None else bias[:T])
         rows.h = runner.finish(layer, rows, q, cache)
     return Pass(rows, active, computed, mass)
 
@@ -156,26 +197,32 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     pos = torch.arange(T, device=dev)
     ids = plan.token_ids.to(dev)
     must = pos[P:][~reused[P:]]  # separators, missed chunks, the suffix
-    computed, probe_watch = 0, None
+    computed, attention, probe_depth = 0, None, 0
+    stale = StaleBias(cfg.stale_key_scale if mode in ("reuse", "blend") else 1.0, reused, cache)
+    L = runner.n_layers
     if mode in ("full", "prefix") or not bool(reused.any()):
-        chunk_from, active = runner.n_layers, pos[P:]  # nothing reused: every row, every layer
+        chunk_layers, active = range(0), pos[P:]  # nothing reused: every row, every layer
     elif checks:
-        chunk_from, active = min(checks), pos[P:]  # fresh K for all rows up to the first check
+        load_from, active = min(checks), pos[P:]  # fresh K for all rows up to the first check
         if cfg.weight_by_attention:
             # A reuse pass first, over the must-compute rows only: what its suffix rows attend to
-            # is what the question reads. It loads every layer's chunk KV, so the blend pass
-            # after it loads nothing, and overwrites every row the probe computed.
-            chunk_from, probe_watch = 0, must >= min(plan.segments.suffix[0], T - 1)
+            # is what the question reads. It loads the chunk KV of the layers it walks, so the
+            # blend pass loads only the rest, and overwrites every row the probe computed.
+            watch = must >= min(plan.segments.suffix[0], T - 1)
+            probe_depth = min(cfg.probe_layers or L, L)
+            load_from = max(probe_depth, load_from)
+        chunk_layers = [*range(probe_depth), *range(load_from, L)]
     else:
-        chunk_from, active = 0, must  # reuse: only the must-compute rows
-    selector = Selector(checks, cfg, reused, None) if checks else None
+        chunk_layers, active = range(L), must  # reuse: only the must-compute rows
     t0 = time.perf_counter()
-    loader.start(chunk_from)
+    loader.start(chunk_layers)
     try:
-        if probe_watch is not None:
-            probe = run_layers(runner, cache, loader, runner.rows(ids[must], must), must, watch=probe_watch)
-            computed, selector.attention = probe.computed, probe.attention
-        out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, selector)
+        if probe_depth:
+            probe = run_layers(runner, cache, loader, runner.rows(ids[must], must), must, stale, watch=watch,
+                               n_layers=probe_depth)
+            computed, attention = probe.computed, probe.attention
+        selector = Selector(checks, cfg, reused, attention) if checks else None
+        out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, stale, selector)
     finally:
         loader.close()
     active = out.active

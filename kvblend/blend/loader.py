@@ -19,8 +19,8 @@ from .plan import Plan
 
 
 class ChunkLoader:
-    """Writes cached KV (exact prefix blocks from layer 0, re-encoded chunks from `chunk_from`)
-    into the cache, each layer once, in layer order."""
+    """Writes cached KV (exact prefix blocks at every layer, re-encoded chunks at the layers
+    `start` names) into the cache, each layer once, in layer order."""
 
     def __init__(self, runner: Runner, plan: Plan, cache: KVCache, depth: int = 0):
         self.runner, self.cache, self.depth = runner, cache, depth
@@ -44,24 +44,25 @@ class ChunkLoader:
             delta = torch.arange(start, c.span[1]) - c.kv.positions[offset:]
             tables = runner.shift_tables(delta, dev) if bool((delta != 0).any()) else None
             self.chunk_parts.append((c.kv, offset, start, c.span[1], tables))
-        self.chunk_from = runner.n_layers
+        self.chunk_layers: frozenset[int] = frozenset()
         self.next_layer = 0  # layers below it are loaded
         self.wait_s = 0.0  # time the prefill spent waiting for loads
         self._q: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
 
-    def start(self, chunk_from: int) -> None:
-        """Chunks are needed from layer `chunk_from` on; prefix blocks at every layer."""
-        self.chunk_from = chunk_from
-        busy = self.prefix_parts or (self.chunk_parts and chunk_from < self.runner.n_layers)
+    def start(self, chunk_layers) -> None:
+        """Chunks are needed at `chunk_layers` (where a pass reads their KV before writing it);
+        prefix blocks at every layer."""
+        self.chunk_layers = frozenset(chunk_layers)
+        busy = self.prefix_parts or (self.chunk_parts and self.chunk_layers)
         if self.depth > 0 and busy:
             self._q = queue.Queue(maxsize=self.depth)
             self._thread = threading.Thread(target=self._work, name="kvblend-layer-loader", daemon=True)
             self._thread.start()
 
     def _read(self, layer: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
-        parts = self.prefix_parts + (self.chunk_parts if layer >= self.chunk_from else [])
+        parts = self.prefix_parts + (self.chunk_parts if layer in self.chunk_layers else [])
         out = []
         for src, offset, start, end, tables in parts:
             k, v = src.layer(layer)

@@ -28,9 +28,10 @@ def weighted(dev: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
 
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                   window: int | None = None) -> torch.Tensor:
+                   window: int | None = None, bias: torch.Tensor | None = None) -> torch.Tensor:
     """Attention probability that queries q [H, n, d] at positions q_pos put on each key of
-    k [Hkv, T, d] (slot == position), averaged over heads and queries, in fp32: [T].
+    k [Hkv, T, d] (slot == position), averaged over heads and queries, in fp32: [T]. `bias` [T]
+    is added to the logits, as attention adds it.
 
     Query head h reads key head h // (H / Hkv), as grouped-query attention does.
     """
@@ -43,6 +44,8 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scale:
     mass = torch.zeros(T, dtype=torch.float32, device=k.device)
     for h in range(n_kv):  # one key head at a time bounds memory to [group * n, T]
         s = q[h * group:(h + 1) * group].float() @ k[h].float().T * scale  # [group, n, T]
+        if bias is not None:
+            s += bias.float()
         mass += s.masked_fill_(hidden, float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
     return mass / (q.shape[0] * q.shape[1])
 

@@ -83,7 +83,7 @@ class Engine:
         if any(layer >= self.runner.n_layers for layer in s.check_layers):
             raise ValueError(f"check layers {s.check_layers} out of range for a {self.runner.n_layers}-layer model")
         self.blend_cfg = BlendConfig(list(s.check_layers), list(s.recompute_ratios), s.deviation, s.check_layer_kv,
-                                     s.weight_by_attention)
+                                     s.weight_by_attention, s.stale_key_scale, s.probe_layers)
         bos = getattr(self.tokenizer, "bos_token_id", None)
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
         self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos,

@@ -47,6 +47,10 @@ class KVCache:
         # is ever read: empty() memory may hold NaN, which a mask cannot cancel.
         self.length = 0
         self.first = 0  # lowest valid position: a sequence may start at an offset (tests, probes)
+        # Per layer, None or an additive logit bias [capacity] on the keys (0 where none): blending
+        # damps the attention paid to stale chunk keys (BlendConfig.stale_key_scale). Decode reads
+        # it too, since those keys stay stale.
+        self.key_bias: list[torch.Tensor | None] = [None] * n_layers
 
     @property
     def capacity(self) -> int:
@@ -64,6 +68,12 @@ class KVCache:
         grow = capacity - self.capacity
         pad = lambda t: torch.cat([t, t.new_empty(*t.shape[:2], grow, t.shape[3])], dim=2)  # noqa: E731
         self.k, self.v = pad(self.k), pad(self.v)
+        grown = {}  # layers share one bias tensor: grow each once, keep them shared
+        for i, b in enumerate(self.key_bias):
+            if b is not None:
+                if id(b) not in grown:
+                    grown[id(b)] = torch.cat([b, b.new_zeros(grow)])
+                self.key_bias[i] = grown[id(b)]
 
     def truncate(self, length: int) -> None:
         """Forget positions >= length (what an earlier decode appended), so that what is computed
@@ -159,8 +169,15 @@ class Runner:
         first, window = cache.first, self.windows[layer]
         if (first, window) not in rows.groups:
             rows.groups[first, window] = query_groups(rows.pos - first, cache.readable - first, window)
+        groups = rows.groups[first, window]
+        bias = cache.key_bias[layer]
+        if bias is not None:  # float masks carrying the bias, built once per bias tensor
+            held = rows.groups.get((first, window, "bias"))
+            if held is None or held[0] is not bias:
+                held = rows.groups[first, window, "bias"] = (bias, biased_groups(groups, bias[first:]))
+            groups = held[1]
         # attn.scaling is the model's own (Gemma 3: query_pre_attn_scalar ** -0.5).
-        o = attend(q, cache.k[layer][:, first:], cache.v[layer][:, first:], rows.groups[first, window], attn.scaling)
+        o = attend(q, cache.k[layer][:, first:], cache.v[layer][:, first:], groups, attn.scaling)
         o = attn.o_proj(o.transpose(0, 1).reshape(rows.h.shape[0], -1))
         block = self.layers[layer]
         if self.sandwich[layer]:  # gemma3: norms on the attention output and around the MLP
@@ -274,19 +291,39 @@ def _block_runs(q_pos: torch.Tensor, n_keys: int, window: int | None = None) -> 
     return runs[::-1]
 
 
+def biased_groups(groups: list[QueryGroup], bias: torch.Tensor) -> list[QueryGroup]:
+    """The same groups with float masks: `bias` [keys] added to the logits of the keys a row sees."""
+    out = []
+    for g in groups:
+        keys = bias[g.start:g.end]
+        if g.mask is not None:
+            mask = torch.where(g.mask, keys, float("-inf"))
+        elif g.causal:
+            n = g.rows.stop - g.rows.start
+            mask = keys.expand(n, -1).masked_fill(torch.ones(n, n, dtype=torch.bool, device=keys.device).triu(1),
+                                                  float("-inf"))
+        else:  # decode: the one row sees every key of [start, end)
+            mask = keys[None]
+        out.append(QueryGroup(g.rows, g.end, mask, start=g.start))
+    return out
+
+
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[QueryGroup], scale: float) -> torch.Tensor:
     """Attention of queries q [H, n, d] over keys/values [Hkv, T, d] (slot == position), by the
-    `query_groups` of the queries' positions."""
-    if q.shape[1] == 1 and groups[0].mask is None:
+    `query_groups` of the queries' positions (or their `biased_groups`)."""
+    if q.shape[1] == 1 and (groups[0].mask is None or groups[0].mask.dtype != torch.bool):
         # Decode: the kernel's one-row path is slow (bf16: 7x); the query heads that share a key
         # head, taken as rows of one call, go through its multi-row path instead.
-        start, end = groups[0].start, groups[0].end
-        o = F.scaled_dot_product_attention(q.view(k.shape[0], -1, q.shape[2])[None], k[None, :, start:end],
-                                           v[None, :, start:end], scale=scale)[0]
+        g = groups[0]
+        mask = None if g.mask is None else g.mask.to(q.dtype)[None, None]
+        o = F.scaled_dot_product_attention(q.view(k.shape[0], -1, q.shape[2])[None], k[None, :, g.start:g.end],
+                                           v[None, :, g.start:g.end], attn_mask=mask, scale=scale)[0]
         return o.view(q.shape)
     out = []
     for g in groups:
         mask = None if g.mask is None else g.mask[None, None]
+        if mask is not None and mask.dtype != torch.bool:
+            mask = mask.to(q.dtype)
         out.append(F.scaled_dot_product_attention(
             q[None, :, g.rows], k[None, :, g.start:g.end], v[None, :, g.start:g.end], attn_mask=mask,
             is_causal=g.causal, scale=scale, enable_gqa=True)[0])

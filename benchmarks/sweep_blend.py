@@ -1,0 +1,95 @@
+"""Blend settings side by side on dev records: teacher-forced fidelity against full prefill.
+
+Each variant is a set of BlendConfig fields (`ratios`, `stale_key_scale`, `deviation`, ...); full
+prefill and its greedy answer are computed once per record, and every variant is scored on the
+same 16 answer positions (DESIGN section 5). Choose settings here on records the README's eval
+does not use (it takes the first 30), e.g.:
+
+    python benchmarks/sweep_blend.py --data ../shared/data/hotpotqa_s.dev.json --offset 30 --limit 30 \\
+        --ratios 0.08,0.15 --grid stale_key_scale=1,0.65,0.5,0.35
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvblend.config import load_settings
+from kvblend.engine.engine import Engine
+from kvblend.eval.datasets import load_dataset
+from kvblend.eval.harness import greedy, prompt_ids, teacher_forced
+from kvblend.eval.metrics import kl_divergence
+from kvblend.model.loader import load_model
+
+
+def parse_grid(items: list[str]) -> list[dict]:
+    """["stale_key_scale=1,0.5", "deviation=k,v"] -> every combination, as BlendConfig fields."""
+    axes = []
+    for item in items:
+        name, _, values = item.partition("=")
+        axes.append([(name, _value(v)) for v in values.split(",")])
+    return [dict(combo) for combo in itertools.product(*axes)]
+
+
+def _value(text: str):
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--offset", type=int, default=30, help="skip the first records (keep tuning off the eval set)")
+    ap.add_argument("--limit", type=int, default=16)
+    ap.add_argument("--ratios", default="0.08,0.15", help="blend recompute ratios; reuse is always scored")
+    ap.add_argument("--grid", nargs="*", default=[], help="field=v1,v2 ... (BlendConfig fields)")
+    ap.add_argument("--out", default="results/sweep_blend.json")
+    args = ap.parse_args()
+    records = load_dataset(args.data, limit=args.offset + args.limit)[args.offset:]
+    model = load_model(args.model or load_settings().model, dtype=args.dtype)
+    engine = Engine(model, load_settings(model=args.model, dtype=args.dtype))
+    combos = parse_grid(args.grid) or [{}]
+    variants = {}  # label -> (mode, BlendConfig)
+    for fields in combos:
+        tag = " ".join(f"{k}={v}" for k, v in fields.items())
+        reuse_fields = {k: v for k, v in fields.items() if k == "stale_key_scale"}
+        variants[f"reuse {tag}".strip()] = ("reuse", replace(engine.blend_cfg, **reuse_fields))
+        for r in (float(x) for x in args.ratios.split(",")):
+            variants[f"blend {r:g} {tag}".strip()] = ("blend", replace(engine.blend_cfg, ratios=[r], **fields))
+    scores = {label: [] for label in variants}
+    for record in tqdm(records, desc="records"):
+        ids = prompt_ids(engine, record)
+        engine.precompute(ids)
+        _, full = engine.prefill(ids, "full", 40)
+        answer = greedy(engine, full, len(ids), 17)
+        ref = teacher_forced(engine, full, len(ids), answer, 16)
+        for label, (mode, cfg) in variants.items():
+            _, out = engine.prefill(ids, mode, 40, blend_cfg=cfg)
+            logits = teacher_forced(engine, out, len(ids), answer, 16)
+            top1 = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+            scores[label].append((float(kl_divergence(ref, logits).mean()), top1, out.stats.compute_frac))
+    rows = [dict(variant=label, kl_answer=statistics.mean(s[0] for s in ss), top1_agree=statistics.mean(s[1] for s in ss),
+                 compute_frac=statistics.mean(s[2] for s in ss)) for label, ss in scores.items()]
+    print(f"\n{args.data}, records {args.offset}-{args.offset + len(records) - 1}, {model.dtype}")
+    print("| variant | kl_answer | top1_agree | compute_frac |\n| --- | --- | --- | --- |")
+    for r in rows:
+        print(f"| {r['variant']} | {r['kl_answer']:.4f} | {r['top1_agree']:.3f} | {r['compute_frac']:.3f} |")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(dict(data=args.data, offset=args.offset, n=len(records),
+                                              dtype=str(model.dtype), rows=rows, per_record=scores), indent=2))
+
+
+if __name__ == "__main__":
+    main()
