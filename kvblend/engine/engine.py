@@ -202,7 +202,7 @@ class Engine:
         reused = plan.reused_mask()
         exact_end = int(reused.nonzero()[0]) if bool(reused.any()) else plan.n_tokens
         self.store_prefix(token_ids, plan.segments, out.cache.k, out.cache.v, exact_end)
-        if plan.misses:
+        if any(c.note is None for c in plan.misses):  # chunks the controller chose to recompute are stored
             self.precompute(token_ids, plan.segments)
 
     # ---- generation ------------------------------------------------------------------------
