@@ -97,3 +97,16 @@ def test_storage_settings_from_yaml(tmp_path, yaml_text, field, value):
     path = tmp_path / "c.yaml"
     path.write_text(yaml_text)
     assert getattr(load_settings(path), field) == value
+
+
+def test_put_precomputes_a_dataset_as_eval_lays_it_out(tmp_path, capsys):
+    from test_cli import _tiny_dataset
+
+    data = tmp_path / "tiny.json"
+    _tiny_dataset(data)
+    kv = tmp_path / "kv"
+    assert main(["store", "put", "--data", str(data), "--local-disk", str(kv), "--no-local-cpu"]) == 0
+    stored = int(capsys.readouterr().out.split("stored ")[1].split()[0])
+    assert stored >= 2
+    assert main(["store", "ls", "--local-disk", str(kv)]) == 0
+    assert f"{len(list(kv.iterdir()))} entries" in capsys.readouterr().out
