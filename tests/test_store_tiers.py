@@ -364,3 +364,22 @@ def test_tiered_store_without_memory_serves_pending_writes(tmp_path):
 
 
 
+
+
+def test_write_behind_backlog_is_bounded(tmp_path):
+    release = threading.Event()
+
+    class SlowDisk(DiskTier):
+        def put(self, key, value):
+            release.wait()
+            return super().put(key, value)
+
+    disk = SlowDisk(tmp_path, MB, SPEC)
+    store = TieredStore([disk], max_pending_bytes=2 * kv().nbytes)
+    for name in "abc":
+        store.put(f"chunk-{name}", kv())
+    assert store.writes_dropped == 1 and "chunk-c" not in store and "chunk-a" in store
+    release.set()
+    store.flush()
+    assert sorted(disk.keys()) == ["chunk-a", "chunk-b"] and store.stats()["store"]["writes_dropped"] == 1
+    store.close()

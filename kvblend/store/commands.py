@@ -48,10 +48,12 @@ def cmd_put(settings: Settings, files: list[str], data: str | None, limit: int |
         docs = [Path(f).read_text(encoding="utf-8") for f in files]
         for doc in tqdm(docs, desc="documents", unit="doc"):
             stored += llm.store_documents([doc])
+            engine.store.flush()  # keep the write-behind backlog to one document: nothing dropped
     if data:
         records = load_dataset(data, limit=limit)
         for record in tqdm(records, desc="records", unit="prompt"):
             stored += engine.precompute(prompt_ids(engine, record))
+            engine.store.flush()
     engine.close()  # the background writes finish before we report
     print(f"stored {stored} new chunks; tiers: "
           + ", ".join(f"{t.name} {t.used_bytes / 1e6:.1f} MB" for t in engine.store.tiers))

@@ -8,6 +8,7 @@ reads it is discarded here (deleted from its tier, counted) and the engine recom
 
 from __future__ import annotations
 
+import logging
 import threading
 
 from ..config import Settings
@@ -19,17 +20,22 @@ from .redis_tier import RedisTier
 from .tier import StoredEntry, Tier
 from .writer import BackgroundWriter
 
+log = logging.getLogger(__name__)
 GIB = 1 << 30
+# Write-behind holds the KV it has not written yet; past this many bytes a slow tier's writes are
+# dropped (counted) rather than letting the backlog grow without bound.
+MAX_PENDING_BYTES = GIB
 
 
 class TieredStore:
-    def __init__(self, tiers: list[Tier]):
+    def __init__(self, tiers: list[Tier], max_pending_bytes: int = MAX_PENDING_BYTES):
         names = [t.name for t in tiers]
         if len(set(names)) != len(names):
             raise ValueError(f"each tier once, got {names}")
         self.tiers = tiers
         self._writer_: BackgroundWriter | None = None  # started on first use: a memory-only store needs none
         self._pending: dict[str, ChunkKV] = {}  # written behind, not yet in a tier
+        self._pending_bytes, self.max_pending_bytes, self.writes_dropped = 0, max_pending_bytes, 0
         self._promoting: set[str] = set()
         self._lock = threading.Lock()
         self.promotions = 0
@@ -108,7 +114,15 @@ class TieredStore:
                 behind.append(tier)
         if behind:
             with self._lock:
+                if key in self._pending:
+                    return
+                if self._pending_bytes + kv.nbytes > self.max_pending_bytes:
+                    self.writes_dropped += 1
+                    log.warning("store: write-behind backlog over %d bytes; not writing %s to %s",
+                                self.max_pending_bytes, key[:22], ", ".join(t.name for t in behind))
+                    return
                 self._pending[key] = kv
+                self._pending_bytes += kv.nbytes
             self._writer.submit(self._write_behind, key, kv, behind)
 
     def _write_behind(self, key: str, kv: ChunkKV, tiers: list[Tier]) -> None:
@@ -118,6 +132,7 @@ class TieredStore:
         finally:
             with self._lock:
                 self._pending.pop(key, None)
+                self._pending_bytes -= kv.nbytes
 
     def delete(self, key: str) -> bool:
         return any([tier.delete(key) for tier in self.tiers])
@@ -149,7 +164,8 @@ class TieredStore:
     def stats(self) -> dict[str, dict]:
         return {t.name: {**t.counters(), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
                 for t in self.tiers} | {"store": {"promotions": self.promotions,
-                                                  "writer_errors": self._writer_.errors if self._writer_ else 0}}
+                                                  "writer_errors": self._writer_.errors if self._writer_ else 0,
+                                                  "writes_dropped": self.writes_dropped}}
 
 
 def build_store(s: Settings, spec: EntrySpec | None) -> TieredStore:
