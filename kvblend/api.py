@@ -92,6 +92,14 @@ class LLM:
         ids = self.rag_prompt_ids("", documents, system)
         return self.engine.precompute(ids)
 
+    def store_stats(self) -> dict[str, dict]:
+        """Per tier: hits, misses, evictions, bad entries, write errors, bytes used and capacity."""
+        return self.engine.store.stats()
+
+    def close(self) -> None:
+        """Finish the background writes to the disk and Redis tiers."""
+        self.engine.close()
+
     def _requests(self, prompts, prompt_token_ids, documents) -> list[list[int]]:
         if (prompts is None) == (prompt_token_ids is None):
             raise RequestError("give exactly one of prompts or prompt_token_ids")

@@ -1,4 +1,4 @@
-"""The `kvblend` command: demo, generate, eval, serve."""
+"""The `kvblend` command: demo, generate, eval, serve, store."""
 
 from __future__ import annotations
 
@@ -31,6 +31,29 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-layers", type=int, help="layers the attention probe walks (default: all)")
     p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
     p.add_argument("--separator")
+    _add_store_flags(p)
+
+
+def _add_store_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--local-cpu", action=argparse.BooleanOptionalAction, default=None,
+                   help="keep chunk KV in this process's memory")
+    p.add_argument("--max-local-cpu-size", type=float, help="memory tier capacity, GiB")
+    p.add_argument("--local-disk", help="directory of the disk tier")
+    p.add_argument("--max-local-disk-size", type=float, help="disk tier capacity, GiB")
+    p.add_argument("--remote-url", help="Redis of the shared tier, redis://host:port[/db]")
+    p.add_argument("--max-remote-size", type=float, help="Redis tier capacity, GiB")
+    p.add_argument("--remote-ttl", type=int, help="seconds a Redis entry lives")
+    p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=None,
+                   help="read stored KV layer by layer in a background thread while layers compute")
+    p.add_argument("--prefetch-depth", type=int, help="layers read ahead of compute")
+    p.add_argument("--kv-int8", action=argparse.BooleanOptionalAction, default=None,
+                   help="store chunk KV as int8 with a scale per token and head")
+    p.add_argument("--loading-controller", action=argparse.BooleanOptionalAction, default=None,
+                   help="raise the recompute ratio when reading stored KV is the bottleneck")
+
+
+_STORE_FIELDS = ("local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size", "remote_url",
+                 "max_remote_size", "remote_ttl", "layerwise", "prefetch_depth", "kv_int8", "loading_controller")
 
 
 def _settings(args):
@@ -41,7 +64,14 @@ def _settings(args):
                          deviation=args.deviation, check_layer_kv=args.check_layer_kv,
                          weight_by_attention=args.weight_by_attention, stale_key_scale=args.stale_key_scale,
                          probe_layers=args.probe_layers,
-                         chunk_context=args.chunk_context, separator=args.separator)
+                         chunk_context=args.chunk_context, separator=args.separator,
+                         **{name: getattr(args, name) for name in _STORE_FIELDS})
+
+
+def _store_settings(args):
+    from .config import load_settings
+
+    return load_settings(args.config, **{name: getattr(args, name) for name in _STORE_FIELDS})
 
 
 def _llm(args):
@@ -65,7 +95,9 @@ def cmd_generate(args) -> int:
     print(out.text)
     m = out.metrics
     print(f"[{m.mode}] prompt {m.prompt_tokens} tok, TTFT {m.ttft_s * 1000:.0f} ms, reused {m.reused_tokens}, "
-          f"recomputed {m.recomputed_tokens}, decode {m.decode_tokens_per_s:.1f} tok/s", file=sys.stderr)
+          f"recomputed {m.recomputed_tokens}, decode {m.decode_tokens_per_s:.1f} tok/s, "
+          f"chunks from {','.join(m.chunk_tiers) or '-'}", file=sys.stderr)
+    llm.close()
     return 0
 
 
@@ -92,6 +124,7 @@ def cmd_demo(args) -> int:
             table.add_row(label, mode, out.text.strip(), f"{m.ttft_s * 1000:.0f}",
                           f"{m.recomputed_tokens} / {m.prompt_tokens}")
     console.print(table)
+    llm.close()
     return 0
 
 
@@ -140,6 +173,37 @@ def cmd_serve(args) -> int:
               file=sys.stderr)
     uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level="info")
     return 0
+def cmd_store(args) -> int:
+    from .store import commands
+
+    if args.store_command == "put":
+        return commands.cmd_put(_settings(args), args.files, args.data, args.limit)
+    settings = _store_settings(args)
+    if args.store_command == "ls":
+        return commands.cmd_ls(settings, args.tier)
+    if args.store_command == "evict":
+        return commands.cmd_evict(settings, args.keys, args.all, args.tier)
+    return commands.cmd_verify(settings, args.tier)
+
+
+def _add_store_parser(sub) -> None:
+    store = sub.add_parser("store", help="precompute, list, evict and verify stored chunk KV")
+    ssub = store.add_subparsers(dest="store_command", required=True)
+    put = ssub.add_parser("put", help="precompute chunks of text files or a dataset into the tiers")
+    _add_engine_flags(put)
+    put.add_argument("files", nargs="*", help="text files, one document each")
+    put.add_argument("--data", help="a dataset file (as for eval): every record's passages")
+    put.add_argument("--limit", type=int)
+    for name, text in (("ls", "entries: key, tokens, bytes, tier"), ("evict", "delete entries"),
+                       ("verify", "check every entry's checksums; delete bad ones")):
+        p = ssub.add_parser(name, help=text)
+        p.add_argument("--config", help="YAML settings file")
+        _add_store_flags(p)
+        p.add_argument("--tier", choices=["disk", "redis"], help="only this tier")
+        if name == "evict":
+            p.add_argument("keys", nargs="*", help="keys or key prefixes")
+            p.add_argument("--all", action="store_true")
+    store.set_defaults(func=cmd_store)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -192,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-documents", type=int, default=64, help="documents per request")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body")
     srv.set_defaults(func=cmd_serve)
+    _add_store_parser(sub)
     return parser
 
 

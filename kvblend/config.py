@@ -21,7 +21,7 @@ LMCache name                      -> field
 ``LMCACHE_MAX_LOCAL_CPU_SIZE``    -> ``max_local_cpu_size`` (GiB)
 ``LMCACHE_LOCAL_DISK``            -> ``local_disk`` (a ``file://`` scheme is stripped)
 ``LMCACHE_MAX_LOCAL_DISK_SIZE``   -> ``max_local_disk_size`` (GiB)
-``LMCACHE_REMOTE_URL``            -> ``remote_url``
+``LMCACHE_REMOTE_URL``            -> ``remote_url`` (a ``redis://`` URL)
 """
 
 from __future__ import annotations
@@ -118,6 +118,18 @@ class Settings(BaseSettings):
         default=20.0, ge=0, validation_alias=_env("max_local_disk_size", "LMCACHE_MAX_LOCAL_DISK_SIZE")
     )
     remote_url: str | None = Field(default=None, validation_alias=_env("remote_url", "LMCACHE_REMOTE_URL"))
+    max_remote_size: float = Field(default=20.0, ge=0)  # GiB, shared by every process on that Redis
+    remote_ttl: int | None = Field(default=None, gt=0)  # seconds a Redis entry lives; None: until evicted
+    # Layers of stored KV read and re-encoded ahead of compute by a background thread (with
+    # `layerwise`); 0 reads each layer when it is needed.
+    prefetch_depth: int = Field(default=2, ge=0)
+    # Store chunk KV as int8 with a float16 scale per token and head (exact prefix blocks stay
+    # exact): about a quarter of fp32's bytes; its fidelity cost is in the README.
+    kv_int8: bool = False
+    # Raise the recompute ratio above recompute_ratios (a floor) when reading stored KV is slower
+    # than computing, from measured tier bandwidth and compute speed. Off by default: its choices
+    # follow timings, so outputs then depend on the machine's load.
+    loading_controller: bool = False
 
     @field_validator("mode", mode="before")
     @classmethod
@@ -178,6 +190,14 @@ class Settings(BaseSettings):
     def _empty_url_is_none(cls, value: Any) -> Any:
         if isinstance(value, str):
             return value.strip() or None
+        return value
+
+    @field_validator("remote_url")
+    @classmethod
+    def _remote_is_redis(cls, value: str | None) -> str | None:
+        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError(f"remote_url {value!r}: the remote tier is Redis; give redis://host:port[/db] "
+                             "(or rediss://, unix://)")
         return value
 
     @model_validator(mode="after")

@@ -12,11 +12,13 @@ cached rows.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from ..model.runner import KVCache, Rows, Runner
+from .loader import ChunkLoader
 from .plan import Plan
 from .select import attention_mass, deviation, n_selected, top_tokens, weighted
 
@@ -62,6 +64,11 @@ class PrefillStats:
     chunk_hits: int = 0
     chunk_misses: int = 0
     compute_frac: float = 1.0  # computed (layer, row) pairs / a full prefill's
+    load_wait_s: float = 0.0  # time the layers waited for stored KV to be read and re-encoded
+    compute_s: float = 0.0  # time in the layers, waits excluded: what the loading controller measures
+    controller: dict | None = None  # the loading controller's decision, where it ran
+    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: memory, disk, redis or miss
+    bad_entries: int = 0  # stored entries found bad during this request (discarded, recomputed)
     selected_positions: list[int] = field(default_factory=list)  # reused rows chosen for recompute
     recomputed_positions: list[int] = field(default_factory=list)  # every row computed to the end
 
@@ -71,43 +78,6 @@ class PrefillOutput:
     cache: KVCache
     logits: torch.Tensor  # [vocab] of the prompt's last token
     stats: PrefillStats
-
-
-class ChunkLoader:
-    """Writes one layer of cached KV (prefix blocks, re-encoded chunks) into the cache."""
-
-    def __init__(self, runner: Runner, plan: Plan, cache: KVCache):
-        self.runner, self.plan, self.cache = runner, plan, cache
-        dev = runner.device
-        # Per hit chunk: the rows [start, end) it supplies (>= prefix_hit) and, when it moved, the
-        # rotations that take its K there, one per rotary the model has (computed once, used at
-        # every layer of that rotary).
-        self.parts = []
-        for c in plan.chunks:
-            if c.kv is None:
-                continue
-            start = max(c.span[0], plan.prefix_hit)
-            if start >= c.span[1]:
-                continue
-            offset = start - c.span[0]
-            delta = torch.arange(start, c.span[1]) - c.kv.positions[offset:]
-            tables = runner.shift_tables(delta, dev) if bool((delta != 0).any()) else None
-            self.parts.append((c.kv, offset, start, c.span[1], tables))
-
-    def load_prefix(self) -> None:
-        for (start, end), kv in self.plan.prefix_blocks:
-            end = min(end, self.plan.prefix_hit)
-            if end > start:
-                self.cache.k[:, :, start:end] = kv.k[:, :, : end - start].to(self.cache.k.device)
-                self.cache.v[:, :, start:end] = kv.v[:, :, : end - start].to(self.cache.v.device)
-
-    def load_layer(self, layer: int) -> None:
-        for kv, offset, start, end, tables in self.parts:
-            k = kv.k[layer, :, offset:].to(self.runner.device)
-            if tables is not None:
-                k = self.runner.rerotate(layer, k, tables)
-            self.cache.k[layer, :, start:end] = k
-            self.cache.v[layer, :, start:end] = kv.v[layer, :, offset:]
 
 
 class Selector:
@@ -169,18 +139,17 @@ class StaleBias:
 
 
 def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, active: torch.Tensor,
-               load_from: int, stale: StaleBias, selector: Selector | None = None,
-               watch: torch.Tensor | None = None, n_layers: int | None = None) -> Pass:
-    """Every layer over the active rows, loading cached chunk KV from layer `load_from` on; the
-    selector narrows the rows at its check layers. `watch` (a mask over the rows; no selector)
-    sums the attention those rows pay each position, over layers. A pass may stop early, after
-    `n_layers` layers."""
+               stale: StaleBias, selector: Selector | None = None, watch: torch.Tensor | None = None,
+               n_layers: int | None = None) -> Pass:
+    """Every layer over the active rows, the loader supplying each layer's cached KV first (once
+    per prefill); the selector narrows the rows at its check layers. `watch` (a mask over the
+    rows; no selector) sums the attention those rows pay each position, over layers. A pass may
+    stop early, after `n_layers` layers."""
     T = cache.length
     mass = torch.zeros(T, device=runner.device) if watch is not None else None
     computed = 0
     for layer in range(runner.n_layers if n_layers is None else n_layers):
-        if layer >= load_from:
-            loader.load_layer(layer)
+        loader.load_layer(layer)
         q, k, v = runner.qkv(layer, rows)
         keep = selector.keep(layer, active, k, v, cache) if selector is not None else None
         written = active  # rows not written at this layer hold loaded (stale) chunk KV, or none
@@ -206,18 +175,21 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
 
 
 @torch.inference_mode()
-def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capacity: int = 0) -> PrefillOutput:
+def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capacity: int = 0,
+            prefetch_depth: int = 0) -> PrefillOutput:
+    """`prefetch_depth` layers of stored KV are read ahead in a background thread (0: inline).
+    A bad stored entry raises entry_format.BadEntry: the caller discards it and plans again."""
     if mode not in MODES:
         raise ValueError(f"unknown mode {mode!r}; choose one of {MODES}")
     T = plan.n_tokens
     dev = runner.device
     cache = runner.new_cache(T + extra_capacity)
     cache.length = T  # every layer loads or computes every row before its attention reads them
-    loader = ChunkLoader(runner, plan, cache)
-    loader.load_prefix()
+    loader = ChunkLoader(runner, plan, cache, prefetch_depth)
     P = plan.prefix_hit
     reused = plan.reused_mask().to(dev)
-    stats = PrefillStats(prefix_hit_tokens=P, chunk_hits=plan.hits, chunk_misses=len(plan.misses))
+    stats = PrefillStats(prefix_hit_tokens=P, chunk_hits=plan.hits, chunk_misses=len(plan.misses),
+                         chunk_tiers=[c.tier for c in plan.chunks])
 
     checks = dict(zip(cfg.check_layers, cfg.ratios)) if mode == "blend" else {}
     if all(r == 0 for r in checks.values()):
@@ -225,10 +197,11 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     pos = torch.arange(T, device=dev)
     ids = plan.token_ids.to(dev)
     must = pos[P:][~reused[P:]]  # separators, missed chunks, the suffix
-    computed, attention = 0, None
+    computed, attention, probe_depth = 0, None, 0
     stale = StaleBias(cfg.stale_key_scale if mode in ("reuse", "blend") else 1.0, reused, cache)
+    L = runner.n_layers
     if mode in ("full", "prefix") or not bool(reused.any()):
-        load_from, active = runner.n_layers, pos[P:]  # nothing reused: every row, every layer
+        chunk_layers, active = range(0), pos[P:]  # nothing reused: every row, every layer
     elif checks:
         load_from, active = min(checks), pos[P:]  # fresh K for all rows up to the first check
         if cfg.weight_by_attention:
@@ -236,15 +209,25 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
             # is what the question reads. It loads the chunk KV of the layers it walks, so the
             # blend pass loads only the rest, and overwrites every row the probe computed.
             watch = must >= min(plan.segments.suffix[0], T - 1)
-            depth = min(cfg.probe_layers or runner.n_layers, runner.n_layers)
-            probe = run_layers(runner, cache, loader, runner.rows(ids[must], must), must, 0, stale, watch=watch,
-                               n_layers=depth)
-            computed, attention, load_from = probe.computed, probe.attention, max(depth, load_from)
+            probe_depth = min(cfg.probe_layers or L, L)
+            load_from = max(probe_depth, load_from)
+        chunk_layers = [*range(probe_depth), *range(load_from, L)]
     else:
-        load_from, active = 0, must  # reuse: only the must-compute rows
-    selector = Selector(checks, cfg, reused, attention) if checks else None
-    out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, load_from, stale, selector)
+        chunk_layers, active = range(L), must  # reuse: only the must-compute rows
+    t0 = time.perf_counter()
+    loader.start(chunk_layers)
+    try:
+        if probe_depth:
+            probe = run_layers(runner, cache, loader, runner.rows(ids[must], must), must, stale, watch=watch,
+                               n_layers=probe_depth)
+            computed, attention = probe.computed, probe.attention
+        selector = Selector(checks, cfg, reused, attention) if checks else None
+        out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, stale, selector)
+    finally:
+        loader.close()
     active = out.active
+    stats.load_wait_s = loader.wait_s
+    stats.compute_s = time.perf_counter() - t0 - loader.wait_s
 
     still_reused = reused.clone()
     still_reused[active] = False

@@ -9,6 +9,7 @@ import torch
 
 from ..store.chunk_kv import ChunkKV
 from ..store.keys import chunk_key, prefix_block_keys, tokens_hash
+from ..store.tier import StoredEntry
 from .segment import Segments, Span
 
 CHUNK_CONTEXTS = ("bare", "bos", "prefix")
@@ -18,7 +19,12 @@ CHUNK_CONTEXTS = ("bare", "bos", "prefix")
 class ChunkRef:
     span: Span
     key: str
-    kv: ChunkKV | None  # None: a miss, computed in the request and stored after it
+    kv: ChunkKV | StoredEntry | None  # None: a miss, computed in the request and stored after it
+    note: str | None = None  # why a stored chunk is computed anyway (the loading controller)
+
+    @property
+    def tier(self) -> str:
+        return self.kv.tier if self.kv is not None else (self.note or "miss")
 
 
 @dataclass
@@ -26,7 +32,7 @@ class Plan:
     token_ids: torch.Tensor  # [T]
     segments: Segments
     prefix_hit: int = 0  # rows [0, prefix_hit) are exact KV from the prefix cache
-    prefix_blocks: list[tuple[Span, ChunkKV]] = field(default_factory=list)
+    prefix_blocks: list[tuple[Span, ChunkKV | StoredEntry]] = field(default_factory=list)
     chunks: list[ChunkRef] = field(default_factory=list)
 
     @property
@@ -66,13 +72,15 @@ class KeyScheme:
     """Everything that must agree for two requests to share KV, bound to one model."""
 
     def __init__(self, namespace: str, fingerprint: str, dtype: torch.dtype, chunk_context: str,
-                 block: int, bos_id: int | None):
+                 block: int, bos_id: int | None, int8: bool = False):
         if chunk_context not in CHUNK_CONTEXTS:
             raise ValueError(f"unknown chunk context {chunk_context!r}; choose one of {CHUNK_CONTEXTS}")
         if chunk_context == "bos" and bos_id is None:
             raise ValueError("chunk context 'bos' needs a tokenizer with a BOS token")
         self.namespace, self.fingerprint = namespace, fingerprint
         self.dtype = str(dtype).removeprefix("torch.")
+        # int8-stored chunks are other KV than the model's own: they never share a key.
+        self.chunk_dtype = self.dtype + ("+int8" if int8 else "")
         self.chunk_context, self.block, self.bos_id = chunk_context, block, bos_id
 
     def context_ids(self, token_ids: list[int], seg: Segments) -> list[int]:
@@ -85,7 +93,7 @@ class KeyScheme:
 
     def chunk_key(self, chunk_ids: list[int], context_ids: list[int]) -> str:
         ctx_hash = tokens_hash(context_ids) if self.chunk_context == "prefix" else ""
-        return chunk_key(self.namespace, self.fingerprint, self.dtype, self.chunk_context, ctx_hash, chunk_ids)
+        return chunk_key(self.namespace, self.fingerprint, self.chunk_dtype, self.chunk_context, ctx_hash, chunk_ids)
 
     def prefix_keys(self, token_ids: list[int], bounds: list[Span]) -> list[str]:
         return prefix_block_keys(self.namespace, self.fingerprint, self.dtype, token_ids, bounds)

@@ -8,10 +8,11 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..blend.controller import LoadingController
 from ..blend.encode import encode_chunks
 from ..blend.fusor import MODES, BlendConfig, PrefillOutput, PrefillStats, prefill
 from ..blend.plan import KeyScheme, Plan, block_bounds, make_plan
@@ -21,11 +22,14 @@ from ..model.loader import LoadedModel
 from ..model.rotary import check_rerotation
 from ..model.runner import Runner
 from ..store.chunk_kv import ChunkKV
-from ..store.memory import MemoryStore
+from ..store.entry_format import BadEntry, EntrySpec, dtype_name
+from ..store.int8 import quantize
+from ..store.tiered import build_store
 from .sampler import Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
+MAX_BAD_ENTRIES = 8  # bad entries one request may meet before it plans without the store
 
 
 class RequestError(ValueError):
@@ -46,13 +50,19 @@ class RequestMetrics:
     chunk_misses: int = 0
     compute_frac: float = 1.0
     selected_positions: list[int] = field(default_factory=list)
+    load_wait_s: float = 0.0  # time compute waited for stored KV
+    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: memory, disk, redis or miss
+    bad_entries: int = 0  # bad stored entries met (discarded and recomputed)
+    controller: dict | None = None  # the loading controller's decision (ratio, chunks dropped, why)
 
     @classmethod
     def from_prefill(cls, mode: str, n: int, stats: PrefillStats) -> "RequestMetrics":
         return cls(mode=mode, prompt_tokens=n, prefix_hit_tokens=stats.prefix_hit_tokens,
                    reused_tokens=stats.reused_tokens, recomputed_tokens=stats.recomputed_tokens,
                    chunk_hits=stats.chunk_hits, chunk_misses=stats.chunk_misses,
-                   compute_frac=stats.compute_frac, selected_positions=stats.selected_positions)
+                   compute_frac=stats.compute_frac, selected_positions=stats.selected_positions,
+                   load_wait_s=stats.load_wait_s, chunk_tiers=stats.chunk_tiers, bad_entries=stats.bad_entries,
+                   controller=stats.controller)
 
 
 @dataclass
@@ -76,8 +86,14 @@ class Engine:
                                      s.weight_by_attention, s.stale_key_scale, s.probe_layers)
         bos = getattr(self.tokenizer, "bos_token_id", None)
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
-        self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos)
-        self.store = MemoryStore(int(s.max_local_cpu_size * GIB))
+        self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos,
+                              s.kv_int8)
+        r = self.runner
+        self.spec = EntrySpec(model.fingerprint, dtype_name(model.dtype), r.n_layers, r.n_kv_heads, r.head_dim)
+        self.store = build_store(s, self.spec)
+        self.prefetch_depth = s.prefetch_depth if s.layerwise else 0
+        self.controller = LoadingController(self.store) if s.loading_controller else None
+        self.store.pick_by_bandwidth = s.loading_controller
         # Models without a tokenizer (tests' tiny random models) name their separator ids.
         self.sep_ids = sep_ids or separator_ids(self.tokenizer, s.separator)
         self.eos_ids = _eos_ids(model)
@@ -112,14 +128,40 @@ class Engine:
     def segments(self, token_ids: list[int]) -> Segments:
         return segment(token_ids, self.sep_ids)
 
-    def plan(self, token_ids: list[int], mode: str) -> Plan:
-        return make_plan(token_ids, self.segments(token_ids), self.keys, self.store,
+    def plan(self, token_ids: list[int], mode: str, store=None) -> Plan:
+        return make_plan(token_ids, self.segments(token_ids), self.keys, self.store if store is None else store,
                          use_prefix=mode != "full", use_chunks=mode in ("reuse", "blend"))
 
     def prefill(self, token_ids: list[int], mode: str, extra_capacity: int = 0,
                 blend_cfg: BlendConfig | None = None) -> tuple[Plan, PrefillOutput]:
-        plan = self.plan(token_ids, mode)
-        return plan, prefill(self.runner, plan, mode, blend_cfg or self.blend_cfg, extra_capacity)
+        """Plan and prefill. A stored entry found bad while it is read (corrupt, truncated,
+        foreign, or its tier gone) is discarded and the request planned again without it, so
+        the answer is what recomputing gives, never one made from wrong KV."""
+        bad, bad_before = 0, self.store.bad_entries()
+        while True:
+            store = self.store if bad < MAX_BAD_ENTRIES else _NoStore()
+            plan = self.plan(token_ids, mode, store)
+            cfg, decision = blend_cfg or self.blend_cfg, None
+            if self.controller is not None and mode == "blend":
+                cfg, decision = self.controller.decide(plan, cfg)
+            try:
+                out = prefill(self.runner, plan, mode, cfg, extra_capacity, self.prefetch_depth)
+            except BadEntry as e:
+                log.warning("%s; recomputing", e)
+                self.store.discard(e)
+                bad += 1
+                continue
+            # Bad entries met at lookup (header) and while reading layers, in this request.
+            out.stats.bad_entries = self.store.bad_entries() - bad_before
+            if self.controller is not None:
+                s = out.stats
+                self.controller.observe(s.compute_frac * self.runner.n_layers * plan.n_tokens, s.compute_s)
+                s.controller = asdict(decision) if decision else None
+            return plan, out
+
+    def close(self) -> None:
+        """Finish the background writes (the store's tiers keep what was computed)."""
+        self.store.close()
 
     # ---- storing -------------------------------------------------------------------------
 
@@ -150,7 +192,7 @@ class Engine:
             self.runner.forward(torch.tensor(exact), torch.arange(len(exact)), cache)
             self.store_prefix(token_ids, seg, cache.k, cache.v, len(exact))
         for key, kv in zip(todo, encode_chunks(self.runner, context, list(todo.values()))):
-            self.store.put(key, kv)
+            self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
         return len(todo)
 
     def store_after(self, token_ids: list[int], plan: Plan, out: PrefillOutput, mode: str) -> None:
@@ -160,7 +202,7 @@ class Engine:
         reused = plan.reused_mask()
         exact_end = int(reused.nonzero()[0]) if bool(reused.any()) else plan.n_tokens
         self.store_prefix(token_ids, plan.segments, out.cache.k, out.cache.v, exact_end)
-        if plan.misses:
+        if any(c.note is None for c in plan.misses):  # chunks the controller chose to recompute are stored
             self.precompute(token_ids, plan.segments)
 
     # ---- generation ------------------------------------------------------------------------
@@ -206,6 +248,13 @@ class Engine:
         if self.tokenizer is None:
             return ""
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+class _NoStore:
+    """Every lookup a miss: the last resort of a request that met too many bad entries."""
+
+    def get(self, key: str) -> None:
+        return None
 
 
 def _eos_ids(model: LoadedModel) -> set[int]:

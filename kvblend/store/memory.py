@@ -1,4 +1,4 @@
-"""In-process KV store: an LRU over entries, bounded by bytes."""
+"""In-process KV tier: an LRU over entries, bounded by bytes."""
 
 from __future__ import annotations
 
@@ -6,17 +6,20 @@ import threading
 from collections import OrderedDict
 
 from .chunk_kv import ChunkKV
+from .tier import Counters
 
 
-class MemoryStore:
+class MemoryStore(Counters):
+    name = "memory"
+
     def __init__(self, capacity_bytes: int):
+        super().__init__()
         if capacity_bytes < 0:
             raise ValueError(f"store capacity must be >= 0 bytes, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
         self._entries: OrderedDict[str, ChunkKV] = OrderedDict()
         self._lock = threading.Lock()
-        self.hits = self.misses = self.evictions = 0
 
     def get(self, key: str) -> ChunkKV | None:
         with self._lock:
@@ -45,6 +48,7 @@ class MemoryStore:
                 self.evictions += 1
             self._entries[key] = value
             self.used_bytes += size
+            self.puts += 1
             return True
 
     def delete(self, key: str) -> bool:
@@ -59,6 +63,7 @@ class MemoryStore:
         return True
 
     def keys(self) -> list[str]:
+        """Least recently used first."""
         with self._lock:
             return list(self._entries)
 
@@ -69,3 +74,6 @@ class MemoryStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+MemoryTier = MemoryStore

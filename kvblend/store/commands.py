@@ -1,0 +1,119 @@
+"""`kvblend store put|ls|evict|verify`: fill, inspect and clean the persistent tiers (local disk,
+Redis) that the settings name. Only `put` loads the model; the others read entry headers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from tqdm import tqdm
+
+from ..config import Settings
+from .entry_format import BadEntry
+from .tiered import TieredStore, build_store
+
+
+def persistent_store(settings: Settings) -> TieredStore:
+    """The disk and Redis tiers of the settings, checked for consistency only (no model)."""
+    store = build_store(settings.model_copy(update={"local_cpu": False}), spec=None)
+    if not store.tiers:
+        raise ValueError("no persistent tier configured: set local_disk and/or remote_url "
+                         "(--local-disk, --remote-url, KVBLEND_LOCAL_DISK, LMCACHE_REMOTE_URL or YAML)")
+    return store
+
+
+def _tiers(store: TieredStore, name: str | None):
+    tiers = [t for t in store.tiers if name in (None, t.name)]
+    if not tiers:
+        raise ValueError(f"tier {name!r} is not configured; configured: {', '.join(t.name for t in store.tiers)}")
+    return tiers
+
+
+def cmd_put(settings: Settings, files: list[str], data: str | None, limit: int | None) -> int:
+    from ..api import LLM
+    from ..eval.datasets import load_dataset
+    from ..eval.harness import prompt_ids
+
+    if not files and not data:
+        raise ValueError("give text files (one document each) and/or --data DATASET")
+    llm = LLM(settings=settings)
+    engine = llm.engine
+    if not any(t.name in ("disk", "redis") for t in engine.store.tiers):
+        print("kvblend: warning: no disk or Redis tier configured; entries live in this process only",
+              file=sys.stderr)
+    stored = 0
+    if files:
+        docs = [Path(f).read_text(encoding="utf-8") for f in files]
+        for doc in tqdm(docs, desc="documents", unit="doc"):
+            stored += llm.store_documents([doc])
+            engine.store.flush()  # keep the write-behind backlog to one document: nothing dropped
+    if data:
+        records = load_dataset(data, limit=limit)
+        for record in tqdm(records, desc="records", unit="prompt"):
+            stored += engine.precompute(prompt_ids(engine, record))
+            engine.store.flush()
+    engine.close()  # the background writes finish before we report
+    print(f"stored {stored} new chunks; tiers: "
+          + ", ".join(f"{t.name} {t.used_bytes / 1e6:.1f} MB" for t in engine.store.tiers))
+    return 0
+
+
+def cmd_ls(settings: Settings, tier: str | None) -> int:
+    store = persistent_store(settings)
+    table = Table(title="kvblend store")
+    for col in ("tier", "key", "tokens", "bytes", "dtype", "model"):
+        table.add_column(col)
+    total = 0
+    for t in _tiers(store, tier):
+        for key in reversed(t.keys()):  # most recently used first
+            meta = t.header(key)
+            if meta is None:
+                continue
+            total += 1
+            dtype = meta.dtype + (f" ({meta.quant})" if meta.quant else "")
+            table.add_row(t.name, key, str(meta.n_tokens), str(meta.nbytes), dtype, meta.fingerprint)
+    Console().print(table)
+    for t in _tiers(store, tier):
+        print(f"{t.name}: {t.used_bytes} of {t.capacity_bytes} bytes")
+    print(f"{total} entries")
+    return 0
+
+
+def cmd_evict(settings: Settings, keys: list[str], all_: bool, tier: str | None) -> int:
+    if not keys and not all_:
+        raise ValueError("name entries to evict (a key or a key prefix), or --all")
+    store = persistent_store(settings)
+    n = 0
+    for t in _tiers(store, tier):
+        for key in t.keys():
+            if all_ or any(key.startswith(k) for k in keys):
+                n += bool(t.delete(key))
+    print(f"evicted {n} entries")
+    return 0
+
+
+def cmd_verify(settings: Settings, tier: str | None) -> int:
+    """Read every entry and check every layer's checksum; bad ones are reported and deleted."""
+    store = persistent_store(settings)
+    good = bad = 0
+    for t in _tiers(store, tier):
+        keys = t.keys()
+        for key in tqdm(keys, desc=f"verify {t.name}", unit="entry", disable=not keys):
+            before = t.bad_entries
+            entry = t.get(key)
+            if entry is None:
+                if t.bad_entries > before:
+                    bad += 1
+                    print(f"{t.name} {key}: bad header, deleted")
+                continue
+            try:
+                entry.materialize()
+                good += 1
+            except BadEntry as e:
+                t.discard(key, e.reason)
+                bad += 1
+                print(f"{t.name} {key}: {e.reason}, deleted")
+    print(f"{good} good, {bad} bad (deleted)")
+    return 0

@@ -1,0 +1,164 @@
+"""What a stored entry holds besides its tensors, and how a reader decides to trust it.
+
+An entry is one chunk's (or prefix block's) KV, stored one layer at a time so a prefill can read
+layer l while it computes layer l-1. Its header names the format version, the entry's own key,
+the model fingerprint, dtype, shapes, positions and a sha256 per layer (k bytes then v bytes);
+the entry checksum is the sha256 of the layer digests. A reader checks the header against what
+it expects before it hands the entry out, and each layer's digest as it reads that layer, so a
+corrupt, truncated, swapped or foreign entry is a miss, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from .chunk_kv import ChunkKV
+
+FORMAT_VERSION = 1
+
+
+class BadEntry(Exception):
+    """A stored entry that cannot be used: the caller forgets it and recomputes.
+
+    `delete` is False where the entry may be fine but its tier could not be reached."""
+
+    def __init__(self, key: str, tier: str, reason: str, delete: bool = True):
+        super().__init__(f"{tier} entry {key[:22]}: {reason}")
+        self.key, self.tier, self.reason, self.delete = key, tier, reason, delete
+
+
+@dataclass(frozen=True)
+class EntrySpec:
+    """What the reading model needs an entry to be."""
+
+    fingerprint: str
+    dtype: str  # torch dtype name without "torch."
+    n_layers: int
+    n_kv_heads: int
+    head_dim: int
+
+
+@dataclass
+class EntryMeta:
+    version: int
+    key: str
+    fingerprint: str
+    dtype: str
+    n_layers: int
+    n_kv_heads: int
+    n_tokens: int
+    head_dim: int
+    positions: list[int]
+    layer_sha256: list[str]
+    checksum: str  # sha256 over the layer digests: the whole entry's data
+    quant: str = ""  # "" (stored in `dtype`) or "int8" (int8 with float16 scales, decoded to `dtype`)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> EntryMeta:
+        data = json.loads(text)
+        if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
+            version = data.get("version") if isinstance(data, dict) else None
+            raise ValueError(f"format version {version!r}, this reader knows {FORMAT_VERSION}")
+        return cls(**data)
+
+    @property
+    def layer_shape(self) -> tuple[int, int, int]:
+        return (self.n_kv_heads, self.n_tokens, self.head_dim)
+
+    def part_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The tensors stored per layer, in storage and digest order, with dtype and shape."""
+        if self.quant == "int8":
+            scale = (self.n_kv_heads, self.n_tokens, 1)
+            return {"k": (torch.int8, self.layer_shape), "v": (torch.int8, self.layer_shape),
+                    "k_scale": (torch.float16, scale), "v_scale": (torch.float16, scale)}
+        if self.quant:
+            raise ValueError(f"unknown quantization {self.quant!r}")
+        dt = dtype_of(self.dtype)
+        return {"k": (dt, self.layer_shape), "v": (dt, self.layer_shape)}
+
+    @property
+    def layer_nbytes(self) -> int:
+        return sum(dt.itemsize * math.prod(shape) for dt, shape in self.part_specs().values())
+
+    @property
+    def nbytes(self) -> int:
+        return self.n_layers * self.layer_nbytes + 8 * self.n_tokens
+
+
+def dtype_of(name: str) -> torch.dtype:
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dt
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The tensor's bytes without a copy (bf16 too, which numpy cannot hold as such)."""
+    t = t.detach().contiguous().cpu()
+    return memoryview(t.view(torch.uint8).numpy()).cast("B")
+
+
+def layer_digest(parts: dict[str, torch.Tensor]) -> str:
+    h = hashlib.sha256()
+    for t in parts.values():
+        h.update(raw_bytes(t))  # hashlib releases the GIL on large buffers
+    return h.hexdigest()
+
+
+def entry_checksum(layer_sha256: list[str]) -> str:
+    return hashlib.sha256("".join(layer_sha256).encode()).hexdigest()
+
+
+def describe(key: str, kv, fingerprint: str) -> EntryMeta:
+    """The header of a ChunkKV or an int8 QuantKV."""
+    quant = "int8" if hasattr(kv, "kq") else ""
+    L, H, n, d = (kv.kq if quant else kv.k).shape
+    dtype = kv.dtype if quant else kv.k.dtype
+    digests = [layer_digest(kv.parts(layer)) for layer in range(L)]
+    return EntryMeta(FORMAT_VERSION, key, fingerprint, dtype_name(dtype), L, H, n, d,
+                     [int(p) for p in kv.positions], digests, entry_checksum(digests), quant)
+
+
+def check_meta(meta: EntryMeta, key: str, spec: EntrySpec | None) -> str | None:
+    """Why an entry read under `key` must not be used, or None. Without a spec (the `store`
+    commands, which load no model) only the entry's own consistency is checked."""
+    if meta.key != key:
+        return f"holds the entry of another key ({meta.key[:22]})"
+    if len(meta.layer_sha256) != meta.n_layers or len(meta.positions) != meta.n_tokens:
+        return "header shapes disagree with its digests or positions"
+    if entry_checksum(meta.layer_sha256) != meta.checksum:
+        return "header checksum mismatch"
+    if spec is None:
+        return None
+    if meta.fingerprint != spec.fingerprint:
+        return f"computed by another model ({meta.fingerprint})"
+    if meta.dtype != spec.dtype:
+        return f"stored as {meta.dtype}, the model runs {spec.dtype}"
+    if (meta.n_layers, meta.n_kv_heads, meta.head_dim) != (spec.n_layers, spec.n_kv_heads, spec.head_dim):
+        return "shapes do not fit the model"
+    return None
+
+
+def check_layer(meta: EntryMeta, layer: int, parts: dict[str, torch.Tensor]) -> str | None:
+    specs = meta.part_specs()
+    if list(parts) != list(specs):
+        return f"layer {layer} holds {list(parts)}, header says {list(specs)}"
+    for name, (dt, shape) in specs.items():
+        t = parts[name]
+        if tuple(t.shape) != shape or t.dtype != dt:
+            return f"layer {layer} {name} is {t.dtype} {tuple(t.shape)}, header says {dt} {shape}"
+    if layer_digest(parts) != meta.layer_sha256[layer]:
+        return f"layer {layer} checksum mismatch"
+    return None

@@ -1,0 +1,124 @@
+"""The loading controller: it never goes below the configured ratio, recomputes more when
+reading stored KV is the bottleneck, recomputes whole chunks when reading them is slower than
+recomputing them, and reads from the fastest tier; its decision is in the metrics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from redis_server import redis_server  # noqa: F401  (fixture)
+from test_store_engine import ASKED, STORED, make_engine, stored_engine
+
+from kvblend.blend.controller import LoadingController
+from kvblend.engine.sampler import SamplingParams
+from kvblend.store.throttle import Throttled
+
+FLOOR = 0.15
+
+
+def disk_engine(tmp_path, **settings):
+    engine = stored_engine("disk", tmp_path, **settings)
+    return engine, engine.store.tier("disk"), LoadingController(engine.store)
+
+
+def counts(plan):
+    reused = int(plan.reused_mask().sum())
+    return plan.n_tokens - plan.prefix_hit - reused, reused
+
+
+def test_no_measurements_no_change(tmp_path):
+    engine, disk, ctl = disk_engine(tmp_path)
+    cfg, d = ctl.decide(engine.plan(ASKED, "blend"), engine.blend_cfg)
+    assert cfg.ratios == [FLOOR] and d.ratio == FLOOR and "not measured" in d.reason
+
+
+def test_fast_tier_keeps_the_floor(tmp_path):
+    engine, disk, ctl = disk_engine(tmp_path)
+    disk.meter.rate, ctl.compute.rate = 1e12, 1e4
+    cfg, d = ctl.decide(engine.plan(ASKED, "blend"), engine.blend_cfg)
+    assert cfg.ratios == [FLOOR] and d.ratio == FLOOR and d.dropped == 0 and d.load_s < d.compute_s
+
+
+def test_slow_tier_raises_the_ratio_until_compute_matches_loading(tmp_path):
+    engine, disk, ctl = disk_engine(tmp_path)
+    plan = engine.plan(ASKED, "blend")
+    must, reused = counts(plan)
+    layer_bytes = sum(c.kv.meta.layer_nbytes for c in plan.chunks)
+    ctl.compute.rate = 1e4  # rows per second
+    target = 0.6  # choose the bandwidth at which computing 60% of reused rows takes as long as a read
+    disk.meter.rate = layer_bytes * ctl.compute.rate / (must + target * reused)
+    cfg, d = ctl.decide(plan, engine.blend_cfg)
+    assert d.ratio == pytest.approx(target) and cfg.ratios == [pytest.approx(target)] and d.dropped == 0
+    assert d.compute_s == pytest.approx(d.load_s)
+    _, out = engine.prefill(ASKED, "blend", blend_cfg=cfg)
+    assert len(out.stats.selected_positions) == round(target * reused)
+
+
+def test_tier_slower_than_recompute_is_not_read(tmp_path):
+    engine, disk, ctl = disk_engine(tmp_path)
+    plan = engine.plan(ASKED, "blend")
+    disk.meter.rate, ctl.compute.rate = 1.0, 1e6  # reading one byte a second: never worth it
+    cfg, d = ctl.decide(plan, engine.blend_cfg)
+    assert d.dropped == 4 and d.ratio == FLOOR and all(c.kv is None for c in plan.chunks)
+    assert [c.tier for c in plan.chunks] == ["disk: recomputed"] * 4
+
+
+def test_a_dropped_tier_is_read_again_now_and_then_to_remeasure_it(tmp_path):
+    engine, disk, ctl = disk_engine(tmp_path)
+    disk.meter.rate, ctl.compute.rate = 1.0, 1e6
+    dropped = [ctl.decide(engine.plan(ASKED, "blend"), engine.blend_cfg)[1].dropped
+               for _ in range(2 * ctl.REMEASURE_EVERY)]
+    assert dropped.count(0) == 2 and dropped[ctl.REMEASURE_EVERY - 1] == 0 and set(dropped) == {0, 4}
+
+
+def test_throttled_tier_is_worked_around_and_the_decision_is_in_the_metrics(tmp_path):
+    engine = stored_engine("disk", tmp_path, loading_controller=True)
+    engine.store.tiers[0] = Throttled(engine.store.tiers[0], bytes_per_s=50_000)  # ~0.1 s a layer
+    params = SamplingParams(max_tokens=1)
+    first = engine.generate(ASKED, params, store=False).metrics  # measures the tier and compute
+    assert first.chunk_tiers == ["disk"] * 4 and "not measured" in first.controller["reason"]
+    second = engine.generate(ASKED, params, store=False).metrics
+    d = second.controller
+    assert "loading-bound" in d["reason"] and d["floor"] == FLOOR
+    assert d["dropped"] > 0 or d["ratio"] > FLOOR
+    assert d["ratio"] >= FLOOR
+
+
+def test_memory_only_controller_never_changes_the_ratio():
+    engine = make_engine(loading_controller=True)
+    engine.precompute(STORED)
+    for _ in range(3):
+        m = engine.generate(ASKED, SamplingParams(max_tokens=1)).metrics
+        assert m.chunk_tiers == ["memory"] * 4 and m.controller["ratio"] == FLOOR
+
+
+def test_reads_come_from_the_fastest_tier(tmp_path, redis_server):
+    engine = make_engine(disk=tmp_path, redis_url=redis_server.url, memory=False, loading_controller=True)
+    engine.precompute(STORED)
+    engine.store.flush()
+    engine.store.tiers[0] = Throttled(engine.store.tiers[0], bytes_per_s=50_000)  # disk, slow
+    tiers = [engine.generate(ASKED, SamplingParams(max_tokens=1), store=False).metrics.chunk_tiers[0]
+             for _ in range(3)]
+    assert tiers == ["disk", "redis", "redis"]  # disk measured slow, Redis measured, then Redis
+
+
+def test_controller_off_by_default():
+    engine = make_engine()
+    assert engine.controller is None and not engine.store.pick_by_bandwidth
+    engine.precompute(STORED)
+    assert engine.generate(ASKED, SamplingParams(max_tokens=1)).metrics.controller is None
+
+
+def test_exact_output_once_decided(tmp_path):
+    """What the controller decides is all that changes: the same decision gives the same KV."""
+    engine, disk, ctl = disk_engine(tmp_path)
+    disk.meter.rate, ctl.compute.rate = 1.0, 1e6
+    plan = engine.plan(ASKED, "blend")
+    ctl.decide(plan, engine.blend_cfg)
+    from kvblend.blend.fusor import prefill
+
+    dropped = prefill(engine.runner, plan, "blend", engine.blend_cfg)
+    for c in engine.plan(ASKED, "blend").chunks:
+        engine.store.tier("disk").delete(c.key)
+    _, unstored = engine.prefill(ASKED, "blend")
+    assert torch.equal(dropped.logits, unstored.logits)

@@ -1,0 +1,112 @@
+"""`kvblend store put|ls|evict|verify` and the storage flags."""
+
+from __future__ import annotations
+
+import pytest
+from redis_server import redis_server  # noqa: F401  (fixture)
+from test_store_engine import STORED, damage, make_engine
+
+from kvblend.cli import build_parser, main
+
+
+def filled(tmp_path, url=None):
+    engine = make_engine(disk=tmp_path / "kv", redis_url=url, memory=False)
+    engine.precompute(STORED)
+    engine.close()
+    return engine
+
+
+def test_ls_lists_every_entry_of_every_tier(tmp_path, redis_server, capsys):
+    engine = filled(tmp_path, redis_server.url)
+    disk_keys = engine.store.tier("disk").keys()
+    assert main(["store", "ls", "--local-disk", str(tmp_path / "kv"), "--remote-url", redis_server.url]) == 0
+    out = capsys.readouterr().out
+    assert f"{2 * len(disk_keys)} entries" in out and out.count("│ disk ") == out.count("│ redis ") == 6
+    assert main(["store", "ls", "--tier", "redis", "--local-disk", str(tmp_path / "kv"),
+                 "--remote-url", redis_server.url]) == 0
+    assert "6 entries" in capsys.readouterr().out
+
+
+def test_verify_deletes_bad_entries_and_keeps_good_ones(tmp_path, capsys):
+    engine = filled(tmp_path)
+    keys = engine.store.tier("disk").keys()
+    damage(engine, "disk", "corrupt", keys[0])
+    damage(engine, "disk", "truncate", keys[1])
+    assert main(["store", "verify", "--local-disk", str(tmp_path / "kv")]) == 0
+    out = capsys.readouterr().out
+    assert "4 good, 2 bad (deleted)" in out and "checksum mismatch" in out
+    assert sorted(p.stem for p in (tmp_path / "kv").iterdir()) == sorted(keys[2:])
+
+
+def test_evict_by_prefix_and_all(tmp_path, capsys):
+    engine = filled(tmp_path)
+    chunk = next(k for k in engine.store.tier("disk").keys() if k.startswith("chunk-"))
+    assert main(["store", "evict", chunk[:20], "--local-disk", str(tmp_path / "kv")]) == 0
+    assert "evicted 1 entries" in capsys.readouterr().out
+    assert main(["store", "evict", "--all", "--local-disk", str(tmp_path / "kv")]) == 0
+    assert "evicted 5 entries" in capsys.readouterr().out and not list((tmp_path / "kv").iterdir())
+
+
+def test_store_commands_need_a_persistent_tier_and_a_choice(tmp_path, capsys):
+    assert main(["store", "ls"]) == 2
+    assert "no persistent tier" in capsys.readouterr().err
+    assert main(["store", "evict", "--local-disk", str(tmp_path)]) == 2
+    assert "--all" in capsys.readouterr().err
+    assert main(["store", "ls", "--remote-url", "lm://host:1"]) == 2
+    assert "redis://" in capsys.readouterr().err
+
+
+def test_storage_flags_reach_the_settings():
+    from kvblend.cli import _settings
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--no-local-cpu", "--local-disk", "/tmp/kv",
+                                      "--max-local-disk-size", "2", "--remote-url", "redis://h:1",
+                                      "--remote-ttl", "60", "--prefetch-depth", "3", "--no-layerwise"])
+    s = _settings(args)
+    assert (s.local_cpu, s.local_disk, s.max_local_disk_size, s.remote_url) == (False, "/tmp/kv", 2.0, "redis://h:1")
+    assert (s.remote_ttl, s.prefetch_depth, s.layerwise) == (60, 3, False)
+
+
+def test_put_precomputes_documents_into_the_disk_tier(tmp_path, capsys):
+    docs = []
+    for i, text in enumerate(["Marrowick is a town on the Tesk river.", "The Tesk rises in the Ollin hills."]):
+        docs.append(tmp_path / f"d{i}.txt")
+        docs[-1].write_text(text)
+    kv = tmp_path / "kv"
+    assert main(["store", "put", *map(str, docs), "--local-disk", str(kv), "--no-local-cpu"]) == 0
+    assert "stored 2 new chunks" in capsys.readouterr().out
+    assert main(["store", "verify", "--local-disk", str(kv)]) == 0
+    out = capsys.readouterr().out
+    assert "0 bad" in out and int(out.split(" good")[0].split()[-1]) >= 3  # 2 chunks + prefix blocks
+    # A request for those documents now reads them from disk.
+    from kvblend.api import LLM, SamplingParams
+
+    llm = LLM(local_disk=str(kv), local_cpu=False)
+    out = llm.generate("Where does the Tesk rise?", SamplingParams(max_tokens=2),
+                       documents=[p.read_text() for p in docs])[0]
+    assert out.metrics.chunk_tiers == ["disk", "disk"]
+
+
+@pytest.mark.parametrize("yaml_text, field, value", [
+    ("local_disk: /tmp/kvb\nmax_local_disk_size: 1.5\n", "max_local_disk_size", 1.5),
+    ("remote_url: redis://127.0.0.1:6390\nremote_ttl: 30\n", "remote_ttl", 30),
+])
+def test_storage_settings_from_yaml(tmp_path, yaml_text, field, value):
+    from kvblend.config import load_settings
+
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml_text)
+    assert getattr(load_settings(path), field) == value
+
+
+def test_put_precomputes_a_dataset_as_eval_lays_it_out(tmp_path, capsys):
+    from test_cli import _tiny_dataset
+
+    data = tmp_path / "tiny.json"
+    _tiny_dataset(data)
+    kv = tmp_path / "kv"
+    assert main(["store", "put", "--data", str(data), "--local-disk", str(kv), "--no-local-cpu"]) == 0
+    stored = int(capsys.readouterr().out.split("stored ")[1].split()[0])
+    assert stored >= 2
+    assert main(["store", "ls", "--local-disk", str(kv)]) == 0
+    assert f"{len(list(kv.iterdir()))} entries" in capsys.readouterr().out

@@ -1,0 +1,385 @@
+"""Disk and Redis tiers on their own: round trips, the entry format, bad entries, eviction,
+an unreachable Redis, write failures, torn reads; and the TieredStore over them."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import threading
+
+import pytest
+import redis
+import torch
+from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
+from safetensors import safe_open
+
+from kvblend.store.chunk_kv import ChunkKV
+from kvblend.store.disk import DiskTier
+from kvblend.store.entry_format import FORMAT_VERSION, BadEntry, EntrySpec
+from kvblend.store.memory import MemoryStore
+from kvblend.store.redis_tier import RedisTier
+from kvblend.store.tiered import TieredStore
+
+L, H, D = 3, 2, 4
+SPEC = EntrySpec("fp-a", "float32", L, H, D)
+MB = 1 << 20
+
+
+def kv(n: int = 5, seed: int = 0, dtype=torch.float32, start: int = 0) -> ChunkKV:
+    g = torch.Generator().manual_seed(seed)
+    return ChunkKV(torch.randn(L, H, n, D, generator=g).to(dtype), torch.randn(L, H, n, D, generator=g).to(dtype),
+                   torch.arange(start, start + n))
+
+
+def same(a, b) -> bool:
+    return (torch.equal(a.k.view(torch.uint8), b.k.view(torch.uint8)) and
+            torch.equal(a.v.view(torch.uint8), b.v.view(torch.uint8)) and torch.equal(a.positions, b.positions))
+
+
+@pytest.fixture(params=["disk", "redis"])
+def make_tier(request, tmp_path):
+    """A factory of tiers of one kind, all over the same directory or Redis."""
+    if request.param == "disk":
+        yield lambda spec=SPEC, cap=MB, **kw: DiskTier(tmp_path / "kv", cap, spec)
+    else:
+        server = RedisServer().start()
+        yield lambda spec=SPEC, cap=MB, **kw: RedisTier(server.url, cap, spec, **kw)
+        server.kill()
+
+
+# ---- round trips and the format ---------------------------------------------------------------
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_round_trip_is_exact_layer_by_layer(make_tier, dtype):
+    tier = make_tier(EntrySpec("fp-a", str(dtype).removeprefix("torch."), L, H, D))
+    value = kv(7, dtype=dtype, start=3)
+    assert tier.put("chunk-a", value)
+    entry = tier.get("chunk-a")
+    assert entry.tier == tier.name and entry.n_tokens == 7 and entry.positions.tolist() == list(range(3, 10))
+    for layer in range(L):
+        k, v = entry.layer(layer)
+        assert torch.equal(k, value.k[layer]) and torch.equal(v, value.v[layer])
+    assert same(entry.materialize(), value)
+    assert "chunk-a" in tier and tier.keys() == ["chunk-a"] and tier.used_bytes >= value.k.nbytes * 2
+    assert tier.get("chunk-b") is None and "chunk-b" not in tier
+    assert tier.delete("chunk-a") and tier.get("chunk-a") is None and tier.used_bytes == 0
+
+
+def test_disk_file_is_safetensors_with_a_full_header(tmp_path):
+    tier = DiskTier(tmp_path, MB, SPEC)
+    value = kv(4, start=10)
+    tier.put("chunk-a", value)
+    with safe_open(str(tmp_path / "chunk-a.safetensors"), "pt") as f:
+        assert sorted(f.keys()) == sorted([f"k.{i}" for i in range(L)] + [f"v.{i}" for i in range(L)])
+        assert torch.equal(f.get_tensor("v.2"), value.v[2])
+        meta = json.loads(f.metadata()["kvblend"])
+    assert meta["version"] == FORMAT_VERSION and meta["key"] == "chunk-a" and meta["fingerprint"] == "fp-a"
+    assert meta["dtype"] == "float32" and (meta["n_layers"], meta["n_kv_heads"], meta["head_dim"]) == (L, H, D)
+    assert meta["n_tokens"] == 4 and meta["positions"] == [10, 11, 12, 13]
+    assert len(meta["layer_sha256"]) == L and len(meta["checksum"]) == 64
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_redis_entry_is_a_layer_hash_under_a_header(redis_server):
+    tier = RedisTier(redis_server.url, MB, SPEC, ttl_s=100)
+    tier.put("chunk-a", kv())
+    c = redis_server.client()
+    assert sorted(c.hkeys("kvblend:chunk-a:l")) == [b"0", b"1", b"2"]
+    assert json.loads(c.get("kvblend:chunk-a:h"))["key"] == "chunk-a"
+    assert 0 < c.ttl("kvblend:chunk-a:h") <= 100 and 0 < c.ttl("kvblend:chunk-a:l") <= 100
+    assert RedisTier(redis_server.url, MB, SPEC).get("chunk-a") is not None  # another process's view
+
+
+def test_half_written_redis_entry_is_a_miss(redis_server):
+    tier = RedisTier(redis_server.url, MB, SPEC)
+    tier.put("chunk-a", kv())
+    redis_server.client().delete("kvblend:chunk-a:h")  # layers written, header not yet
+    assert tier.get("chunk-a") is None and "chunk-a" not in tier
+
+
+# ---- bad entries ------------------------------------------------------------------------------
+
+def corrupt_layer(tier, key: str, layer: int) -> None:
+    """Flip one byte inside one layer's data."""
+    if isinstance(tier, DiskTier):
+        path = tier.path(key)
+        with safe_open(str(path), "pt") as f:
+            n_header = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+            start = json.loads(path.read_bytes()[8:n_header])[f"v.{layer}"]["data_offsets"][0]
+        data = bytearray(path.read_bytes())
+        data[n_header + start] ^= 0xFF
+        path.write_bytes(bytes(data))
+    else:
+        c = redis.Redis.from_url(tier.url)
+        data = bytearray(c.hget(f"kvblend:{key}:l", str(layer)))
+        data[-1] ^= 0xFF
+        c.hset(f"kvblend:{key}:l", str(layer), bytes(data))
+
+
+def test_corrupt_layer_raises_bad_entry_when_read(make_tier):
+    tier = make_tier()
+    tier.put("chunk-a", kv())
+    corrupt_layer(tier, "chunk-a", 1)
+    entry = tier.get("chunk-a")  # the header is fine: the damage shows when layer 1 is read
+    entry.layer(0)
+    with pytest.raises(BadEntry, match="layer 1 checksum mismatch") as e:
+        entry.layer(1)
+    assert e.value.key == "chunk-a" and e.value.tier == tier.name and e.value.delete
+    tier.discard("chunk-a", e.value.reason)
+    assert tier.get("chunk-a") is None and tier.bad_entries == 1
+
+
+def test_truncated_entries_are_misses(make_tier):
+    tier = make_tier()
+    tier.put("chunk-a", kv())
+    if isinstance(tier, DiskTier):
+        path = tier.path("chunk-a")
+        path.write_bytes(path.read_bytes()[:-7])
+        assert tier.get("chunk-a") is None and tier.bad_entries == 1 and not path.exists()
+    else:
+        c = redis.Redis.from_url(tier.url)
+        c.hset("kvblend:chunk-a:l", "2", c.hget("kvblend:chunk-a:l", "2")[:-7])
+        with pytest.raises(BadEntry, match="layer 2 unreadable"):
+            tier.get("chunk-a").materialize()
+
+
+def rewrite_header(tier, key: str, **changes) -> None:
+    if isinstance(tier, DiskTier):
+        path = tier.path(key)
+        with safe_open(str(path), "pt") as f:
+            tensors = {name: f.get_tensor(name) for name in f.keys()}
+            meta = json.loads(f.metadata()["kvblend"])
+        from safetensors.torch import save_file
+        save_file(tensors, str(path), metadata={"kvblend": json.dumps({**meta, **changes})})
+    else:
+        c = redis.Redis.from_url(tier.url)
+        meta = json.loads(c.get(f"kvblend:{key}:h"))
+        c.set(f"kvblend:{key}:h", json.dumps({**meta, **changes}))
+
+
+@pytest.mark.parametrize("change", [{"version": FORMAT_VERSION + 1}, {"fingerprint": "fp-other"},
+                                    {"dtype": "bfloat16"}, {"n_kv_heads": H + 1}, {"checksum": "0" * 64}])
+def test_wrong_version_model_dtype_or_shape_is_a_deleted_miss(make_tier, change):
+    tier = make_tier()
+    tier.put("chunk-a", kv())
+    rewrite_header(tier, "chunk-a", **change)
+    assert tier.get("chunk-a") is None
+    assert tier.bad_entries == 1 and "chunk-a" not in tier
+
+
+def test_entry_of_another_model_or_dtype_is_never_read(make_tier):
+    other_model = make_tier(EntrySpec("fp-b", "float32", L, H, D))
+    other_dtype = make_tier(EntrySpec("fp-a", "bfloat16", L, H, D))
+    other_model.put("chunk-a", kv())
+    other_dtype.put("chunk-b", kv(dtype=torch.bfloat16))
+    tier = make_tier()
+    assert tier.get("chunk-a") is None and tier.get("chunk-b") is None and tier.bad_entries == 2
+
+
+def test_swapped_entries_are_misses(make_tier):
+    tier = make_tier()
+    tier.put("chunk-a", kv(seed=1))
+    tier.put("chunk-b", kv(seed=2))
+    if isinstance(tier, DiskTier):
+        a, b = tier.path("chunk-a"), tier.path("chunk-b")
+        tmp = a.with_suffix(".x")
+        a.rename(tmp), b.rename(a), tmp.rename(b)
+    else:
+        c = redis.Redis.from_url(tier.url)
+        for part in ("h", "l"):
+            c.rename(f"kvblend:chunk-a:{part}", "tmp")
+            c.rename(f"kvblend:chunk-b:{part}", f"kvblend:chunk-a:{part}")
+            c.rename("tmp", f"kvblend:chunk-b:{part}")
+    assert tier.get("chunk-a") is None and tier.get("chunk-b") is None and tier.bad_entries == 2
+
+
+def test_swapped_redis_layers_fail_their_checksum(redis_server):
+    tier = RedisTier(redis_server.url, MB, SPEC)
+    tier.put("chunk-a", kv(seed=1))
+    tier.put("chunk-b", kv(seed=2))
+    c = redis_server.client()
+    c.hset("kvblend:chunk-a:l", "1", c.hget("kvblend:chunk-b:l", "1"))
+    with pytest.raises(BadEntry, match="layer 1 checksum"):
+        tier.get("chunk-a").materialize()
+
+
+# ---- capacity ---------------------------------------------------------------------------------
+
+def test_eviction_keeps_the_tier_under_capacity_lru_first(make_tier):
+    probe = make_tier(cap=MB)
+    probe.put("chunk-size", kv(8))
+    size = probe.used_bytes
+    probe.delete("chunk-size")
+    tier = make_tier(cap=int(size * 3.5))
+    for name in "abc":
+        assert tier.put(f"chunk-{name}", kv(8))
+    assert tier.get("chunk-a") is not None  # a is now more recent than b
+    tier.put("chunk-d", kv(8))
+    assert tier.used_bytes <= tier.capacity_bytes
+    assert "chunk-b" not in tier and all(f"chunk-{n}" in tier for n in "acd")
+    assert tier.evictions == 1
+    for i in range(10):
+        tier.put(f"chunk-x{i}", kv(8, seed=i))
+        assert tier.used_bytes <= tier.capacity_bytes
+    assert not tier.put("chunk-huge", kv(200)) and "chunk-huge" not in tier
+
+
+def test_redis_capacity_is_shared_by_processes(redis_server):
+    a = RedisTier(redis_server.url, MB, SPEC)
+    a.put("chunk-size", kv(8))
+    size = a.used_bytes
+    a.delete("chunk-size")
+    a, b = RedisTier(redis_server.url, size * 2, SPEC), RedisTier(redis_server.url, size * 2, SPEC)
+    a.put("chunk-a", kv(8))
+    b.put("chunk-b", kv(8))
+    a.put("chunk-c", kv(8))
+    assert b.used_bytes == 2 * size and sorted(b.keys()) == ["chunk-b", "chunk-c"]
+
+
+# ---- faults -----------------------------------------------------------------------------------
+
+def test_redis_down_at_start_then_back(tmp_path):
+    server = RedisServer()  # not started
+    tier = RedisTier(server.url, MB, SPEC, retry_s=0.0)
+    assert tier.get("chunk-a") is None and not tier.put("chunk-a", kv()) and "chunk-a" not in tier
+    assert tier.keys() == [] and tier.used_bytes == 0 and tier.unreachable >= 1 and tier.write_errors == 1
+    server.start()
+    try:
+        assert tier.put("chunk-a", kv()) and same(tier.get("chunk-a").materialize(), kv())
+    finally:
+        server.kill()
+
+
+def test_redis_dying_mid_read_is_a_bad_entry_that_is_kept(redis_server):
+    tier = RedisTier(redis_server.url, MB, SPEC)
+    tier.put("chunk-a", kv())
+    entry = tier.get("chunk-a")
+    redis_server.kill()
+    with pytest.raises(BadEntry, match="unreachable") as e:
+        entry.layer(0)
+    assert not e.value.delete
+
+
+def test_disk_full_write_fails_softly_and_reads_go_on(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, MB, SPEC)
+    tier.put("chunk-a", kv())
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "fsync", full)
+    assert tier.put("chunk-b", kv()) is False and tier.write_errors == 1
+    assert "chunk-b" not in tier and sorted(p.name for p in tmp_path.iterdir()) == ["chunk-a.safetensors"]
+    assert same(tier.get("chunk-a").materialize(), kv())
+
+
+def test_read_only_directory_write_fails_softly(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, MB, SPEC)
+
+    def read_only(*args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr("builtins.open", read_only)
+    assert tier.put("chunk-a", kv()) is False and tier.write_errors == 1
+
+
+def test_bad_disk_config_is_a_clear_error(tmp_path):
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="not a directory"):
+        DiskTier(tmp_path / "file", MB, SPEC)
+    with pytest.raises(ValueError, match="Redis"):
+        RedisTier("lm://localhost:65432", MB, SPEC)
+
+
+# ---- concurrency ------------------------------------------------------------------------------
+
+def test_concurrent_writer_and_reader_never_see_a_torn_entry(make_tier):
+    """One key, rewritten over and over with one of two different values (as two machines whose
+    bf16 kernels differ might): every read is one whole value, or a miss / BadEntry."""
+    writer_tier, reader_tier = make_tier(), make_tier()
+    values = [kv(16, seed=1), kv(16, seed=2)]
+    stop, writes = threading.Event(), [0]
+
+    def write():
+        while not stop.is_set():
+            writer_tier.delete("chunk-a")
+            writer_tier.put("chunk-a", values[writes[0] % 2])
+            writes[0] += 1
+            stop.wait(0.001)  # let the reader find it whole now and then
+
+    t = threading.Thread(target=write)
+    t.start()
+    whole = bad = 0
+    try:
+        while writes[0] < 40 or (whole == 0 and writes[0] < 2000):
+            entry = reader_tier.get("chunk-a")
+            if entry is None:
+                continue
+            try:
+                got = entry.materialize()
+            except BadEntry:
+                bad += 1
+                continue
+            assert same(got, values[0]) or same(got, values[1])
+            whole += 1
+    finally:
+        stop.set()
+        t.join()
+    assert whole > 0, (whole, bad)
+
+
+# ---- the tiered store -------------------------------------------------------------------------
+
+def test_tiered_store_reads_in_order_promotes_and_writes_behind(tmp_path, redis_server):
+    memory, disk = MemoryStore(MB), DiskTier(tmp_path, MB, SPEC)
+    remote = RedisTier(redis_server.url, MB, SPEC)
+    store = TieredStore([memory, disk, remote])
+    store.put("chunk-a", kv(seed=1))
+    assert "chunk-a" in store and memory.get("chunk-a") is not None
+    store.flush()
+    assert "chunk-a" in disk and "chunk-a" in remote
+    assert len(store) == 3 and store.used_bytes == sum(t.used_bytes for t in (memory, disk, remote)) > 0
+
+    remote.put("chunk-b", kv(seed=2))  # only in Redis, e.g. stored by another server
+    got = store.get("chunk-b")
+    assert got.tier == "redis"
+    store.flush()  # promotion runs behind the request
+    assert "chunk-b" in disk and memory.get("chunk-b").tier == "memory"
+    assert same(store.get("chunk-b"), kv(seed=2)) and store.promotions == 1
+
+    memory.delete("chunk-a")
+    assert store.get("chunk-a").tier == "disk"
+    store.close()
+
+
+def test_tiered_store_without_memory_serves_pending_writes(tmp_path):
+    disk = DiskTier(tmp_path, MB, SPEC)
+    store = TieredStore([disk])
+    store.put("chunk-a", kv())
+    assert "chunk-a" in store and store.get("chunk-a") is not None  # written or still pending
+    store.flush()
+    assert store.get("chunk-a").tier == "disk"
+    store.close()
+
+
+
+
+
+def test_write_behind_backlog_is_bounded(tmp_path):
+    release = threading.Event()
+
+    class SlowDisk(DiskTier):
+        def put(self, key, value):
+            release.wait()
+            return super().put(key, value)
+
+    disk = SlowDisk(tmp_path, MB, SPEC)
+    store = TieredStore([disk], max_pending_bytes=2 * kv().nbytes)
+    for name in "abc":
+        store.put(f"chunk-{name}", kv())
+    assert store.writes_dropped == 1 and "chunk-c" not in store and "chunk-a" in store
+    release.set()
+    store.flush()
+    assert sorted(disk.keys()) == ["chunk-a", "chunk-b"] and store.stats()["store"]["writes_dropped"] == 1
+    store.close()
