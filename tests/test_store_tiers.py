@@ -383,3 +383,26 @@ def test_write_behind_backlog_is_bounded(tmp_path):
     store.flush()
     assert sorted(disk.keys()) == ["chunk-a", "chunk-b"] and store.stats()["store"]["writes_dropped"] == 1
     store.close()
+
+
+def test_wait_written_waits_for_its_keys_only(tmp_path):
+    release = threading.Event()
+
+    class SlowDisk(DiskTier):
+        def put(self, key, value):
+            if key == "chunk-slow":
+                release.wait()
+            return super().put(key, value)
+
+    disk = SlowDisk(tmp_path, MB, SPEC)
+    store = TieredStore([MemoryStore(MB), disk])
+    store.put("chunk-slow", kv(seed=1))
+    assert not store.wait_written(["chunk-slow"], 0.05)  # still held by the slow write
+    assert store.wait_written(["chunk-other"], 0.05)  # nothing of its own pending
+    results: list[bool] = []
+    waiter = threading.Thread(target=lambda: results.append(store.wait_written(["chunk-slow"], 30)))
+    waiter.start()
+    release.set()
+    waiter.join(timeout=30)
+    assert results == [True] and "chunk-slow" in disk
+    store.close()

@@ -38,6 +38,7 @@ class TieredStore:
         self._pending_bytes, self.max_pending_bytes, self.writes_dropped = 0, max_pending_bytes, 0
         self._promoting: set[str] = set()
         self._lock = threading.Lock()
+        self._written = threading.Condition(self._lock)  # notified as write-behind entries land
         self.promotions = 0
         self.pick_by_bandwidth = False  # the loading controller's choice of tier, see read_order
 
@@ -133,6 +134,15 @@ class TieredStore:
             with self._lock:
                 self._pending.pop(key, None)
                 self._pending_bytes -= kv.nbytes
+                self._written.notify_all()
+
+    def wait_written(self, keys, timeout_s: float) -> bool:
+        """Wait until none of `keys` is still pending write-behind (written, or failed), so that
+        other processes on a shared tier can read them. Unlike flush, later writes are not waited
+        for. False if `timeout_s` passed first."""
+        keys = set(keys)
+        with self._written:
+            return self._written.wait_for(lambda: not keys & self._pending.keys(), timeout_s)
 
     def delete(self, key: str) -> bool:
         return any([tier.delete(key) for tier in self.tiers])
