@@ -33,6 +33,9 @@ from .schemas import NAMESPACE_PATTERN, ChatRequest, ChunksRequest, CompletionRe
 from .text_stream import TextStream
 
 log = logging.getLogger(__name__)
+# How long POST /v1/chunks waits for its chunks to reach the shared tiers (disk, Redis) before
+# answering anyway: they are in this process's memory already, just not yet visible to replicas.
+SHARED_WRITE_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -218,6 +221,10 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         except queue.Full:
             raise overloaded(config.max_queue) from None
         stored, keys = await asyncio.wrap_future(future)
+        # Answer once the chunks are written behind too, so another replica on the same Redis hits them.
+        if not await asyncio.to_thread(engine.store.wait_written, [k for k, _ in keys], SHARED_WRITE_TIMEOUT_S):
+            log.warning("chunks: not all written to the shared tiers after %.0f s; answering anyway",
+                        SHARED_WRITE_TIMEOUT_S)
         now = int(time.time())
         data = []
         for key, n in keys:

@@ -1,0 +1,142 @@
+"""Two `kvblend serve` processes on one Redis: a document stored through one is a hit on the other.
+
+Both replicas are real subprocesses (the command a user runs) loading one tiny model folder, so
+their model fingerprints, and so their cache keys, agree only because the weights do."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+from redis_server import RedisServer, free_port, redis_server  # noqa: F401  (fixture)
+from serving import MODEL_NAME, default_tokenizer, live_server, tiny_engine
+from tiny_models import tiny_hf
+
+KEYS = {"alice": "sk-alice", "bob": "sk-bob"}
+DOCS = ["Marrowick is a town on the Tesk river.", "The Tesk river flows north into the Grey Sea.",
+        "Grey Sea ferries leave Marrowick at dawn."]
+START_TIMEOUT_S = 120
+
+
+def start_replica(folder, redis_url: str):
+    port = free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "kvblend.cli", "serve", "--model", str(folder), "--dtype", "float32",
+           "--device", "cpu", "--port", str(port), "--served-model-name", "tiny", "--remote-url", redis_url]
+    for key in KEYS.values():
+        cmd += ["--api-key", key]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc, url: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"kvblend serve at {url} did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
+def stop(proc) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def replicas(tmp_path_factory):
+    tok = default_tokenizer()
+    folder = tmp_path_factory.mktemp("model") / "tiny-llama"
+    tiny_hf("llama", vocab_size=len(tok), max_position_embeddings=1024).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    redis = RedisServer().start()
+    procs = []
+    try:
+        # Started together: each spends most of its start importing torch and loading the model.
+        procs = [start_replica(folder, redis.url) for _ in range(2)]
+        for proc, url in procs:
+            wait_healthy(proc, url)
+        yield [url for _, url in procs], redis
+    finally:
+        for proc, _ in procs:
+            stop(proc)
+        redis.kill()
+
+
+def http(url: str, who: str = "alice") -> httpx.Client:
+    return httpx.Client(base_url=url, timeout=120, headers={"Authorization": f"Bearer {KEYS[who]}"})
+
+
+def complete(c: httpx.Client, **body) -> dict:
+    r = c.post("/v1/completions", json={"model": "tiny", "prompt": "Where do the ferries go?", "max_tokens": 6,
+                                        "temperature": 0, "documents": DOCS, **body})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_a_document_stored_through_one_replica_is_a_hit_on_the_other(replicas):
+    (url_a, url_b), redis = replicas
+    a, b = http(url_a), http(url_b)
+    r = a.post("/v1/chunks", json={"documents": DOCS, "namespace": "kb"})
+    assert r.status_code == 200, r.text
+    assert r.json()["stored_new"] == len(DOCS)
+    # /v1/chunks answers once its chunks are written behind to Redis too (a header is written last).
+    keys = [d["key"] for d in r.json()["data"]]
+    assert all(redis.client().exists(f"kvblend:{key}:h") for key in keys)
+    on_b = complete(b, namespace="kb")
+    assert on_b["kvblend"]["chunk_hits"] == len(DOCS) and on_b["kvblend"]["chunk_misses"] == 0, on_b["kvblend"]
+    assert on_b["kvblend"]["reused_tokens"] > 0
+    on_a = complete(a, namespace="kb")
+    assert on_a["kvblend"]["chunk_hits"] == len(DOCS)
+    # Blending the KV read back from Redis gives what blending the KV in A's memory gives.
+    assert on_b["choices"][0]["text"] == on_a["choices"][0]["text"]
+    assert on_b["usage"]["completion_tokens"] == on_a["usage"]["completion_tokens"] >= 1
+    metrics_b = httpx.get(url_b + "/metrics", timeout=30).text
+    assert f"kvblend_chunk_hits_total {float(len(DOCS))}" in metrics_b, metrics_b
+
+
+def test_tenants_stay_apart_across_replicas(replicas):
+    (url_a, url_b), _ = replicas
+    docs = ["Only Alice has stored this passage.", "Nor has anyone else stored this one."]
+    r = http(url_a, "alice").post("/v1/chunks", json={"documents": docs})
+    assert r.status_code == 200 and r.json()["stored_new"] == len(docs), r.text
+    assert complete(http(url_b, "alice"), documents=docs)["kvblend"]["chunk_hits"] == len(docs)
+    # Another key, or another namespace of the same key, on the other replica: all misses.
+    bob = complete(http(url_b, "bob"), documents=docs)["kvblend"]
+    assert bob["chunk_hits"] == 0 and bob["chunk_misses"] == len(docs) and bob["prefix_hit_tokens"] == 0
+    elsewhere = complete(http(url_b, "alice"), documents=docs, namespace="other")["kvblend"]
+    assert elsewhere["chunk_hits"] == 0 and elsewhere["chunk_misses"] == len(docs)
+
+
+def test_chunks_answer_after_a_slow_redis_has_them(redis_server):  # noqa: F811
+    """In process, with Redis writes made slow: the answer still comes after they land, which is
+    what lets a replica hit chunks the moment /v1/chunks has answered."""
+    engine = tiny_engine(remote_url=redis_server.url)
+    remote = engine.store.tier("redis")
+    put = remote.put
+
+    def slow_put(key, kv):
+        time.sleep(0.3)  # far longer than the memory write and the HTTP answer take
+        return put(key, kv)
+
+    remote.put = slow_put
+    with live_server(engine) as (url, _app):
+        r = httpx.post(url + "/v1/chunks", json={"documents": DOCS}, timeout=60)
+        assert r.status_code == 200, r.text
+        keys = [d["key"] for d in r.json()["data"]]
+        assert len(keys) == len(DOCS) and all(redis_server.client().exists(f"kvblend:{k}:h") for k in keys)
+        hit = httpx.post(url + "/v1/completions", timeout=60, json={
+            "model": MODEL_NAME, "prompt": "Q?", "max_tokens": 2, "temperature": 0, "documents": DOCS}).json()
+        assert hit["kvblend"]["chunk_hits"] == len(DOCS)
+    engine.close()  # its last writes land before the Redis fixture stops
