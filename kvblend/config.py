@@ -101,8 +101,8 @@ class Settings(BaseSettings):
     check_layer_kv: Literal["fresh", "cached"] = "fresh"
     weight_by_attention: bool = True  # HKVD scores times the suffix's attention: see README, "Choosing the defaults"
     # Attention to stale (reused, not recomputed) chunk keys times this; 1.0 = exact attention.
-    # 0.35: chosen on HotpotQA dev records 30-65 and MuSiQue 30-35 (README, "Closing the gap").
-    stale_key_scale: float = Field(default=0.35, gt=0, le=1)
+    # None: the value measured for the model on dev records (aliases.py; README, "Closing the gap").
+    stale_key_scale: float | None = Field(default=None, gt=0, le=1)
     probe_layers: int | None = Field(default=None, ge=1)  # layers the attention probe walks; None: all
     chunk_context: Literal["bare", "bos", "prefix"] = "prefix"  # measured best: see README, "Choosing the defaults"
     layerwise: bool = Field(default=True, validation_alias=_env("layerwise", "LMCACHE_USE_LAYERWISE"))

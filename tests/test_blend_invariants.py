@@ -262,3 +262,11 @@ def test_a_shallower_probe_keeps_the_exact_ends_and_costs_less():
     assert shallow.stats.compute_frac < deep.stats.compute_frac
     with pytest.raises(ValueError, match="probe_layers"):
         replace(engine.blend_cfg, probe_layers=0)
+
+
+def test_stale_key_scale_defaults_to_the_models_measured_value_and_a_setting_wins():
+    from kvblend.model.aliases import ALIASES, DEFAULT_STALE_KEY_SCALE
+
+    assert make_engine(model="gemma3-270m").blend_cfg.stale_key_scale == ALIASES["gemma3-270m"].stale_key_scale
+    assert make_engine(model="/models/other").blend_cfg.stale_key_scale == DEFAULT_STALE_KEY_SCALE
+    assert make_engine(model="gemma3-270m", stale_key_scale=0.9).blend_cfg.stale_key_scale == 0.9

@@ -37,8 +37,9 @@ class BlendConfig:
     # Attention to stale chunk keys (reused KV that was not recomputed at a layer) is scaled by
     # this factor, a logit bias of log(scale) (as APE damps independently encoded contexts): such
     # keys were computed without the other chunks before them and draw more attention than they
-    # would in a full prefill. 1.0 leaves attention exact; fresh keys are never touched.
-    stale_key_scale: float = 0.35
+    # would in a full prefill. 1.0 leaves attention exact; fresh keys are never touched. The
+    # engine passes the value measured for its model (model/aliases.py).
+    stale_key_scale: float = 1.0
     # The attention probe walks only the first `probe_layers` layers (None: all) and sums the
     # suffix's attention there; the blend pass loads the rest. Its cost is a reuse pass's, pro rata.
     probe_layers: int | None = None

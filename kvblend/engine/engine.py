@@ -18,6 +18,7 @@ from ..blend.fusor import MODES, BlendConfig, PrefillOutput, PrefillStats, prefi
 from ..blend.plan import KeyScheme, Plan, block_bounds, make_plan
 from ..blend.segment import Segments, segment, separator_ids
 from ..config import Settings
+from ..model.aliases import stale_key_scale_for
 from ..model.loader import LoadedModel
 from ..model.rotary import check_rerotation
 from ..model.runner import Runner
@@ -83,7 +84,9 @@ class Engine:
         if any(layer >= self.runner.n_layers for layer in s.check_layers):
             raise ValueError(f"check layers {s.check_layers} out of range for a {self.runner.n_layers}-layer model")
         self.blend_cfg = BlendConfig(list(s.check_layers), list(s.recompute_ratios), s.deviation, s.check_layer_kv,
-                                     s.weight_by_attention, s.stale_key_scale, s.probe_layers)
+                                     s.weight_by_attention,
+                                     s.stale_key_scale if s.stale_key_scale is not None else stale_key_scale_for(s.model),
+                                     s.probe_layers)
         bos = getattr(self.tokenizer, "bos_token_id", None)
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
         self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos,
