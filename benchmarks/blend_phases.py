@@ -1,8 +1,8 @@
 """Where one prefill's time goes, phase by phase, for full, reuse and blend at several ratios.
 
-Phases: chunk loading (copy + re-rotation), the probe pass (its attention-mass part apart),
-and in the main pass: q/k/v projections, selection, attention, the rest of a layer (o_proj,
-MLP, norms, residuals), logits. Reports TTFT speed-up over full, compute_frac (computed
+Phases: chunk loading (copy + re-rotation), the probe pass (its watched rows' attention, which
+yields their attention mass too, apart), and in the main pass: q/k/v projections, selection,
+attention, the rest of a layer (o_proj, MLP, norms, residuals), logits. Reports TTFT speed-up over full, compute_frac (computed
 (layer, row) pairs over full's), efficiency (speed-up x compute_frac; 1.0 = at the compute
 bound) and names the CPU. Timings are medians over repeats, all modes measured in one run:
 
@@ -81,24 +81,23 @@ class Phases:
         fusor.run_layers = run_layers_timed
         # Prefix blocks and chunks load per layer; with pipelining this is the time waited for them.
         self.wrap(fusor.ChunkLoader, "load_layer", "chunk loading", per_pass=False)
-        self.wrap(fusor, "attention_mass", "attention mass")
+        self.wrap(fusor, "attend_with_mass", "attention with mass")
         self.wrap(fusor.Selector, "keep", "selection")
         self.wrap(runner_mod.Runner, "qkv", "qkv")
         self.wrap(runner_mod, "attend", "attention")
-        self.wrap(runner_mod.Runner, "finish", "attention+rest")
+        self.wrap(runner_mod.Runner, "after_attention", "rest")
         self.wrap(runner_mod.Runner, "logits", "logits", per_pass=False)
 
     def breakdown(self) -> dict:
         t = dict(self.t)
         out = {"chunk loading": t.pop("chunk loading", 0.0), "logits": t.pop("logits", 0.0)}
         for p in ("probe", "main"):
-            inner = sum(t.get(f"{p} {k}", 0.0) for k in ("qkv", "attention+rest", "attention mass", "selection"))
-            out[f"{p}: qkv"] = t.get(f"{p} qkv", 0.0)
-            out[f"{p}: attention"] = t.get(f"{p} attention", 0.0)
-            out[f"{p}: rest of layer"] = t.get(f"{p} attention+rest", 0.0) - t.get(f"{p} attention", 0.0)
-            out[f"{p}: attention mass"] = t.get(f"{p} attention mass", 0.0)
-            out[f"{p}: selection"] = t.get(f"{p} selection", 0.0)
-            # loading happens inside the pass; what is left is the pass's own glue
+            parts = {"qkv": "qkv", "attention": "attention", "attention with mass": "attention with mass",
+                     "rest of layer": "rest", "selection": "selection"}
+            for label, key in parts.items():
+                out[f"{p}: {label}"] = t.get(f"{p} {key}", 0.0)
+            # what is left: the pass's own glue, and the loads it waited for (also in "chunk loading")
+            inner = sum(t.get(f"{p} {key}", 0.0) for key in parts.values())
             out[f"{p}: other"] = max(0.0, t.get(f"{p} pass", 0.0) - inner)
         return out
 

@@ -3,7 +3,9 @@
 import pytest
 import torch
 
-from kvblend.blend.select import attention_mass, deviation, n_selected, top_tokens, weighted
+import torch.nn.functional as F
+
+from kvblend.blend.select import attend_with_mass, attention_mass, deviation, n_selected, top_tokens, weighted
 
 
 def _reference_mass(q, k, q_pos, scale, window=None):
@@ -29,6 +31,24 @@ def test_attention_mass_matches_plain_attention(window):
         assert (mass[:14] == 0).all() and (mass[22:24] == 0).all() and (mass[14:22] > 0).all()
     else:  # query 39 sees every key
         assert (mass > 0).all()
+
+
+@pytest.mark.parametrize("window", [None, 7])
+def test_attend_with_mass_is_attention_and_its_mass(window):
+    """One softmax gives the probe both: the output equals masked SDPA's, the mass attention_mass's."""
+    g = torch.Generator().manual_seed(1)
+    q, k, v = torch.randn(6, 5, 8, generator=g), torch.randn(2, 40, 8, generator=g), torch.randn(2, 40, 8, generator=g)
+    q_pos, bias = torch.tensor([20, 21, 30, 38, 39]), torch.randn(40, generator=g)
+    out, mass = attend_with_mass(q, k, v, q_pos, 0.35, window, bias)
+    key_pos = torch.arange(40)
+    visible = key_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        visible &= key_pos[None, :] > q_pos[:, None] - window
+    ref = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=0.35, enable_gqa=True,
+                                         attn_mask=torch.where(visible, bias, float("-inf"))[None, None])[0]
+    torch.testing.assert_close(out, ref)
+    torch.testing.assert_close(mass, attention_mass(q, k, q_pos, 0.35, window, bias))
+    assert attend_with_mass(q, k, None, q_pos, 0.35)[0] is None
 
 
 def test_attention_mass_never_reads_future_keys():

@@ -20,7 +20,7 @@ import torch
 from ..model.runner import KVCache, Rows, Runner
 from .loader import ChunkLoader
 from .plan import Plan
-from .select import attention_mass, deviation, n_selected, top_tokens, weighted
+from .select import attend_with_mass, deviation, n_selected, top_tokens, weighted
 
 MODES = ("full", "prefix", "reuse", "blend")
 
@@ -148,6 +148,11 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
     stop early, after `n_layers` layers."""
     T = cache.length
     mass = torch.zeros(T, device=runner.device) if watch is not None else None
+    if watch is not None:  # the watched rows (the suffix) are the last ones; the others attend as usual
+        n_head = int((~watch).sum())
+        if bool(watch[:n_head].any()):
+            raise ValueError("the watched rows must be the last rows of the pass")
+        head = Rows(rows.h[:0], active[:n_head], {})  # its query groups, built once for every layer
     computed = 0
     for layer in range(runner.n_layers if n_layers is None else n_layers):
         loader.load_layer(layer)
@@ -166,12 +171,18 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
                 written = active
         computed += active.numel()
         stale.set(layer, written)
-        if mass is not None:
-            bias = cache.key_bias[layer]
-            mass += attention_mass(q[:, watch], cache.k[layer][:, :T], active[watch],
-                                   runner.layers[layer].self_attn.scaling, runner.windows[layer],
-                                   None if bias is None else bias[:T])
-        rows.h = runner.finish(layer, rows, q, cache)
+        if mass is None:
+            rows.h = runner.finish(layer, rows, q, cache)
+            continue
+        # The watched rows' attention and the mass they put on each position, from one softmax.
+        bias = cache.key_bias[layer]
+        o, m = attend_with_mass(q[:, n_head:], cache.k[layer][:, :T], cache.v[layer][:, :T], active[n_head:],
+                                runner.layers[layer].self_attn.scaling, runner.windows[layer],
+                                None if bias is None else bias[:T])
+        mass += m
+        if n_head:
+            o = torch.cat([runner.attention(layer, head, q[:, :n_head], cache), o], dim=1)
+        rows.h = runner.after_attention(layer, rows.h, o)
     return Pass(rows, active, computed, mass)
 
 

@@ -35,6 +35,15 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scale:
 
     Query head h reads key head h // (H / Hkv), as grouped-query attention does.
     """
+    return attend_with_mass(q, k, None, q_pos, scale, window, bias)[1]
+
+
+def attend_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, q_pos: torch.Tensor,
+                     scale: float, window: int | None = None,
+                     bias: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The attention output of q over (k, v) [Hkv, T, d], [H, n, d] in q's dtype (None without v),
+    and its attention_mass, from one softmax: the probe needs both for its watched rows, and a
+    second pass over [n, T] scores for the mass would cost most of the attention again."""
     n_kv, T = k.shape[0], k.shape[1]
     group = q.shape[0] // n_kv
     key_pos = torch.arange(T, device=k.device)
@@ -42,12 +51,17 @@ def attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scale:
     if window is not None:
         hidden |= key_pos[None, :] <= q_pos[:, None] - window
     mass = torch.zeros(T, dtype=torch.float32, device=k.device)
+    out = None if v is None else torch.empty_like(q)
     for h in range(n_kv):  # one key head at a time bounds memory to [group * n, T]
-        s = q[h * group:(h + 1) * group].float() @ k[h].float().T * scale  # [group, n, T]
+        heads = slice(h * group, (h + 1) * group)
+        s = q[heads].float() @ k[h].float().T * scale  # [group, n, T]
         if bias is not None:
             s += bias.float()
-        mass += s.masked_fill_(hidden, float("-inf")).softmax(dim=-1).sum(dim=(0, 1))
-    return mass / (q.shape[0] * q.shape[1])
+        p = s.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
+        mass += p.sum(dim=(0, 1))
+        if out is not None:
+            out[heads] = (p @ v[h].float()).to(out.dtype)
+    return out, mass / (q.shape[0] * q.shape[1])
 
 
 def n_selected(ratio: float, n_reused: int) -> int:
