@@ -6,13 +6,19 @@ the server need)."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
 from functools import lru_cache
 
+import httpx
 import uvicorn
+from redis_server import free_port
 from tiny_models import tiny_model
 
 from kvblend.config import Settings
@@ -21,6 +27,7 @@ from kvblend.model.loader import DEFAULT_MODEL, _gguf_as_folder, resolve_model_p
 from kvblend.server.app import ServerConfig, create_app
 
 MODEL_NAME = "tiny-llama"
+START_TIMEOUT_S = 120
 
 
 @lru_cache(maxsize=1)
@@ -59,3 +66,36 @@ def live_server(engine: Engine | None = None, **config):
         server.should_exit = True
         thread.join(timeout=30)
         sock.close()
+
+
+def serve_process(folder, *args: str) -> tuple[subprocess.Popen, str]:
+    """`kvblend serve` as a user runs it, a subprocess on a free loopback port: (process, base url)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "kvblend.cli", "serve", "--model", str(folder), "--dtype", "float32",
+           "--device", "cpu", "--port", str(port), "--served-model-name", "tiny", *args]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def wait_healthy(proc: subprocess.Popen, url: str) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        assert proc.poll() is None, proc.stdout.read()
+        assert time.monotonic() < deadline, f"kvblend serve at {url} did not come up"
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """Ctrl-C, as a user stops it; killed if it has not exited in 30 s."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()

@@ -3,55 +3,21 @@
 Both replicas are real subprocesses (the command a user runs) loading one tiny model folder, so
 their model fingerprints, and so their cache keys, agree only because the weights do."""
 
-import os
-import signal
-import subprocess
-import sys
 import time
 
 import httpx
 import pytest
-from redis_server import RedisServer, free_port, redis_server  # noqa: F401  (fixture)
-from serving import MODEL_NAME, default_tokenizer, live_server, tiny_engine
+from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
+from serving import MODEL_NAME, default_tokenizer, live_server, serve_process, stop, tiny_engine, wait_healthy
 from tiny_models import tiny_hf
 
 KEYS = {"alice": "sk-alice", "bob": "sk-bob"}
 DOCS = ["Marrowick is a town on the Tesk river.", "The Tesk river flows north into the Grey Sea.",
         "Grey Sea ferries leave Marrowick at dawn."]
-START_TIMEOUT_S = 120
 
 
 def start_replica(folder, redis_url: str):
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "kvblend.cli", "serve", "--model", str(folder), "--dtype", "float32",
-           "--device", "cpu", "--port", str(port), "--served-model-name", "tiny", "--remote-url", redis_url]
-    for key in KEYS.values():
-        cmd += ["--api-key", key]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def wait_healthy(proc, url: str) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while True:
-        assert proc.poll() is None, proc.stdout.read()
-        assert time.monotonic() < deadline, f"kvblend serve at {url} did not come up"
-        try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.2)
-
-
-def stop(proc) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    return serve_process(folder, "--remote-url", redis_url, *(a for key in KEYS.values() for a in ("--api-key", key)))
 
 
 @pytest.fixture(scope="module")
