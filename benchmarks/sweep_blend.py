@@ -7,6 +7,8 @@ does not use (it takes the first 30), e.g.:
 
     python benchmarks/sweep_blend.py --data ../shared/data/hotpotqa_s.dev.json --offset 30 --limit 30 \\
         --ratios 0.08,0.15 --grid stale_key_scale=1,0.65,0.5,0.35
+
+`--variant` names whole variants instead of a product: --variant "" --variant "deviation=none check_layers=0".
 """
 
 from __future__ import annotations
@@ -29,15 +31,24 @@ from kvblend.model.loader import load_model
 
 
 def parse_grid(items: list[str]) -> list[dict]:
-    """["stale_key_scale=1,0.5", "deviation=k,v"] -> every combination, as BlendConfig fields."""
+    """["stale_key_scale=1,0.5", "deviation=k,v"] -> every combination, as BlendConfig fields.
+    List fields take one item or several joined by "+": check_layers=0,1+6."""
     axes = []
     for item in items:
         name, _, values = item.partition("=")
-        axes.append([(name, _value(v)) for v in values.split(",")])
+        as_list = name in ("check_layers", "ratios")
+        parse = (lambda v: _listed(_value(v))) if as_list else str if name == "deviation" else _value
+        axes.append([(name, parse(v)) for v in values.split(",")])
     return [dict(combo) for combo in itertools.product(*axes)]
 
 
+def _listed(value):
+    return value if isinstance(value, list) else [value]
+
+
 def _value(text: str):
+    if "+" in text:  # a list field: check_layers=1+6
+        return [_value(t) for t in text.split("+")]
     for kind in (int, float):
         try:
             return kind(text)
@@ -55,12 +66,16 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=16)
     ap.add_argument("--ratios", default="0.08,0.15", help="blend recompute ratios; reuse is always scored")
     ap.add_argument("--grid", nargs="*", default=[], help="field=v1,v2 ... (BlendConfig fields)")
+    ap.add_argument("--variant", action="append", default=[],
+                    help='one variant\'s BlendConfig fields, e.g. "deviation=none check_layers=0" (repeatable; '
+                         'with --grid, each is added to every grid combination)')
     ap.add_argument("--out", default="results/sweep_blend.json")
     args = ap.parse_args()
     records = load_dataset(args.data, limit=args.offset + args.limit)[args.offset:]
     model = load_model(args.model or load_settings().model, dtype=args.dtype)
     engine = Engine(model, load_settings(model=args.model, dtype=args.dtype))
-    combos = parse_grid(args.grid) or [{}]
+    grid = parse_grid(args.grid) or [{}]
+    combos = [{**g, **parse_grid(v.split())[0]} for g in grid for v in args.variant] or grid
     variants = {}  # label -> (mode, BlendConfig)
     for fields in combos:
         tag = " ".join(f"{k}={v}" for k, v in fields.items())
