@@ -2,9 +2,11 @@
 
 Phases: chunk loading (copy + re-rotation), the probe pass (its watched rows' attention, which
 yields their attention mass too, apart), and in the main pass: q/k/v projections, selection,
-attention, the rest of a layer (o_proj, MLP, norms, residuals), logits. Reports TTFT speed-up over full, compute_frac (computed
-(layer, row) pairs over full's), efficiency (speed-up x compute_frac; 1.0 = at the compute
-bound) and names the CPU. Timings are medians over repeats, all modes measured in one run:
+attention, the rest of a layer (o_proj, MLP, norms, residuals), logits. Reports TTFT speed-up
+over full, compute_frac (computed (layer, row) pairs over full's), efficiency (speed-up x
+compute_frac; 1.0 = at the compute bound), work_frac (FLOPs over full's, since late rows read
+more keys) with its efficiency, and names the CPU. Timings are medians over repeats, all modes
+measured in one run:
 
     python benchmarks/blend_phases.py --data ../shared/data/musique_s.dev.json --limit 3
 """
@@ -102,6 +104,37 @@ class Phases:
         return out
 
 
+def layer_flops(runner, layer: int, positions: torch.Tensor) -> float:
+    """Matmul and attention FLOPs of rows at `positions` through one layer: projections and MLP
+    per row, plus QK and PV over the keys each row reads (its own and earlier, within a window)."""
+    per_row = 2 * sum(p.numel() for p in runner.layers[layer].parameters() if p.dim() == 2)
+    keys = positions.float() + 1
+    if runner.windows[layer] is not None:
+        keys = keys.clamp(max=runner.windows[layer])
+    return per_row * positions.numel() + 4 * runner.n_heads * runner.head_dim * float(keys.sum())
+
+
+def work_frac(engine: Engine, n_tokens: int, mode: str, cfg, stats) -> float:
+    """FLOPs a prefill computed over full prefill's, estimated from the rows each layer computed.
+    compute_frac counts rows alike; late rows read more keys, so this is the tighter bound."""
+    runner = engine.runner
+    L, every = runner.n_layers, torch.arange(stats.prefix_hit_tokens, n_tokens)
+    full = sum(layer_flops(runner, layer, every) for layer in range(L))
+    if mode == "full":
+        return 1.0
+    kept = torch.tensor(stats.recomputed_positions)
+    must = torch.tensor(sorted(set(stats.recomputed_positions) - set(stats.selected_positions)))
+    if mode == "reuse" or cfg is None:
+        return sum(layer_flops(runner, layer, must) for layer in range(L)) / full
+    check = min(cfg.check_layers)
+    probe = sum(layer_flops(runner, layer, must) for layer in range(min(cfg.probe_layers or L, L))) \
+        if cfg.weight_by_attention else 0.0
+    main = sum(layer_flops(runner, layer, every if layer < check else kept) for layer in range(L))
+    attn = runner.layers[check].self_attn  # the check layer projects every row before it selects
+    qkv = 2 * sum(m.weight.numel() for m in (attn.q_proj, attn.k_proj, attn.v_proj)) * (every.numel() - kept.numel())
+    return (probe + main + qkv) / full
+
+
 def measure(engine: Engine, ids, mode: str, cfg, repeats: int, phases: Phases | None):
     times, stats = [], None
     for _ in range(repeats):
@@ -131,7 +164,7 @@ def main() -> None:
     variants = [("full", None), ("reuse", None)]
     variants += [("blend", replace(engine.blend_cfg, ratios=[float(r)])) for r in args.ratios.split(",")]
     label = lambda mode, cfg: mode if cfg is None else f"blend {cfg.ratios[0]:g}"  # noqa: E731
-    ttft, frac = defaultdict(list), defaultdict(list)
+    ttft, frac, work = defaultdict(list), defaultdict(list), defaultdict(list)
     for record in records:
         ids = prompt_ids(engine, record)
         engine.precompute(ids)
@@ -140,6 +173,7 @@ def main() -> None:
             t, stats = measure(engine, ids, mode, cfg, args.repeats, None)
             ttft[label(mode, cfg)].append(t)
             frac[label(mode, cfg)].append(stats.compute_frac)
+            work[label(mode, cfg)].append(work_frac(engine, len(ids), mode, cfg, stats))
     # One more prefill per variant on the first record, through the phase timers.
     phases = {}
     ids = prompt_ids(engine, records[0])
@@ -155,16 +189,17 @@ def main() -> None:
     rows = []
     for name in ttft:
         speed = full / statistics.mean(ttft[name])
-        cf = statistics.mean(frac[name])
+        cf, wf = statistics.mean(frac[name]), statistics.mean(work[name])
         rows.append(dict(variant=name, ttft_s=statistics.mean(ttft[name]), speedup=speed, compute_frac=cf,
-                         bound=1 / cf, efficiency=speed * cf))
+                         bound=1 / cf, efficiency=speed * cf, work_frac=wf, work_efficiency=speed * wf))
     cpu = cpu_name()
     mean_tokens = round(statistics.mean(len(prompt_ids(engine, r)) for r in records))
     print(f"\n{cpu}; {model.dtype}; {args.clock} clock; {len(records)} prompts of ~{mean_tokens} tokens from {args.data}")
-    print("| variant | TTFT s | speed-up vs full | compute_frac | bound | efficiency |\n| --- | --- | --- | --- | --- | --- |")
+    print("| variant | TTFT s | speed-up vs full | compute_frac | bound | efficiency | work_frac (FLOPs) | "
+          "work efficiency |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['variant']} | {r['ttft_s']:.3f} | {r['speedup']:.2f}x | {r['compute_frac']:.3f} | "
-              f"{r['bound']:.1f}x | {r['efficiency']:.2f} |")
+              f"{r['bound']:.1f}x | {r['efficiency']:.2f} | {r['work_frac']:.3f} | {r['work_efficiency']:.2f} |")
     names = list(phases)
     print(f"\nPhases of one prefill (first prompt), seconds:\n| phase | {' | '.join(names)} |\n|{' --- |' * (len(names) + 1)}")
     for key in phases[names[0]]:

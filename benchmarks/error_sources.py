@@ -3,6 +3,7 @@ and where the residual error sits (per layer, per position in a chunk, per answe
 
 Rankings forced into the recompute set at each ratio, all else equal (check layer, probe):
 - `default`: the engine's own selector with the configured settings;
+- `default, exact attention`: the same without stale-key damping (the default before it);
 - `plain HKVD`: V deviation at the check layer, no attention weighting, no stale-key damping;
 - `oracle: V drift`: the tokens whose stale V is farthest from full prefill's, summed over layers;
 - `oracle: full attention`: the attention the suffix pays each token in the full prefill;
@@ -159,6 +160,7 @@ def main() -> None:
                     pos_err["chunk nearest the question" if b == seg.chunks[-1][1] else "other chunks"].append(
                         float(rel[a:b].mean()))
                 margin_kl += list(zip(answer_margin(ref).tolist(), kl.tolist()))
+            score(f"default, exact attention {r:g}", "blend", replace(cfg, ratios=[r], stale_key_scale=1.0))
             score(f"plain HKVD {r:g}", "blend", replace(plain, ratios=[r]))
             for name, ranking in rankings.items():
                 score(f"{name} {r:g}", "blend", replace(cfg, ratios=[r]), ranking)
