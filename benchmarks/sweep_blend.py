@@ -8,7 +8,7 @@ does not use (it takes the first 30), e.g.:
     python benchmarks/sweep_blend.py --data ../shared/data/hotpotqa_s.dev.json --offset 30 --limit 30 \\
         --ratios 0.08,0.15 --grid stale_key_scale=1,0.65,0.5,0.35
 
-`--variant` names whole variants instead of a product: --variant "" --variant "deviation=none check_layers=0".
+`--variant` names whole variants instead of a product: --variant "" --variant "deviation=k check_layers=1+6".
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--ratios", default="0.08,0.15", help="blend recompute ratios; reuse is always scored")
     ap.add_argument("--grid", nargs="*", default=[], help="field=v1,v2 ... (BlendConfig fields)")
     ap.add_argument("--variant", action="append", default=[],
-                    help='one variant\'s BlendConfig fields, e.g. "deviation=none check_layers=0" (repeatable; '
+                    help='one variant\'s BlendConfig fields, e.g. "deviation=k check_layers=1+6" (repeatable; '
                          'with --grid, each is added to every grid combination)')
     ap.add_argument("--out", default="results/sweep_blend.json")
     args = ap.parse_args()
