@@ -21,6 +21,7 @@ import statistics
 import subprocess
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import redis
@@ -35,19 +36,35 @@ from kvblend.model.loader import load_model
 from kvblend.store.throttle import Throttled
 
 
-def start_redis() -> tuple[subprocess.Popen, str]:
+@contextmanager
+def redis_and_scratch(prefix: str):
+    """A redis-server on a free loopback port and a scratch folder for one run: (url, folder).
+    Both are gone afterwards, however the run ends."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
                              "--appendonly", "no"], stdout=subprocess.DEVNULL)
-    for _ in range(200):
-        try:
-            redis.Redis(port=port).ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.02)
-    return proc, f"redis://127.0.0.1:{port}"
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        for _ in range(200):
+            try:
+                redis.Redis(port=port).ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        yield f"redis://127.0.0.1:{port}", tmp
+    finally:
+        proc.kill()
+        proc.wait()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_json(path: str, payload: dict) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {out}")
 
 
 def drop_page_cache(directory: Path) -> None:
@@ -73,9 +90,7 @@ def main() -> None:
     base = load_settings(dtype=args.dtype)
     model = load_model(base.model, base.dtype, base.device)
     records = load_dataset(args.data, limit=args.limit)
-    proc, url = start_redis()
-    tmp = Path(tempfile.mkdtemp(prefix="kvblend-bench-"))
-    try:
+    with redis_and_scratch("kvblend-bench-") as (url, tmp):
         def engine(**update) -> Engine:
             return Engine(model, base.model_copy(update=update))
 
@@ -145,13 +160,7 @@ def main() -> None:
         for r in rows:
             print(f"| {r['config']} | {r['ttft_ms']:.0f} | {r['vs_memory']:.2f} | {r['load_wait_ms']:.0f} | "
                   f"{r['recomputed']:.0f} | {', '.join(r['tiers'])} |")
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"meta": meta, "rows": rows, "runs": runs}, indent=1))
-        print(f"wrote {out}")
-    finally:
-        proc.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+        save_json(args.out, {"meta": meta, "rows": rows, "runs": runs})
 
 
 if __name__ == "__main__":

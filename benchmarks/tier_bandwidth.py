@@ -9,18 +9,15 @@ layer: disk cold (pages dropped with posix_fadvise) and warm, Redis on loopback,
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from storage_bench import drop_page_cache, start_redis  # noqa: E402
+from storage_bench import drop_page_cache, redis_and_scratch, save_json  # noqa: E402
 
 from kvblend.store.chunk_kv import ChunkKV  # noqa: E402
 from kvblend.store.disk import DiskTier  # noqa: E402
@@ -51,10 +48,8 @@ def main() -> None:
     shape = (args.layers, args.heads, args.tokens, args.head_dim)
     kv = ChunkKV(torch.randn(shape).to(dt), torch.randn(shape).to(dt), torch.arange(args.tokens))
     spec = EntrySpec("bench", dtype_name(dt), args.layers, args.heads, args.head_dim)
-    proc, url = start_redis()
-    tmp = Path(tempfile.mkdtemp(prefix="kvblend-bw-"))
     rows = []
-    try:
+    with redis_and_scratch("kvblend-bw-") as (url, tmp):
         for label, value in ((args.dtype, kv), ("int8", quantize(kv))):
             disk = DiskTier(tmp / label, 1 << 40, spec)
             remote = RedisTier(url, 1 << 40, spec, prefix=f"bw-{label}:")
@@ -72,23 +67,13 @@ def main() -> None:
                     nbytes = tier.get("chunk-bench").meta.layer_nbytes * args.layers
                     rows.append({"stored": label, "tier": name, "MB": nbytes / 1e6, "read_s": min(times),
                                  "read_MB_s": nbytes / 1e6 / min(times), "write_s": write_s})
-        t0 = time.perf_counter()
-        for layer in range(args.layers):
-            kv.layer(layer)
         print(f"{args.tokens} tokens x {args.layers} layers, {args.heads} KV heads of {args.head_dim}")
         print("| stored as | tier | MB | read (best of %d) | MB/s | write |" % args.repeats)
         print("| --- | --- | --- | --- | --- | --- |")
         for r in rows:
             print(f"| {r['stored']} | {r['tier']} | {r['MB']:.0f} | {r['read_s'] * 1000:.0f} ms | "
                   f"{r['read_MB_s']:.0f} | {r['write_s'] * 1000:.0f} ms |")
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"args": vars(args), "cpus": os.cpu_count(), "load_avg": os.getloadavg(),
-                                   "rows": rows}, indent=1))
-        print(f"wrote {out}")
-    finally:
-        proc.kill()
-        shutil.rmtree(tmp, ignore_errors=True)
+        save_json(args.out, {"args": vars(args), "cpus": os.cpu_count(), "load_avg": os.getloadavg(), "rows": rows})
 
 
 if __name__ == "__main__":
