@@ -29,6 +29,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stale-key-scale", type=float,
                    help="scale the attention paid to stale chunk keys (0 < s <= 1; 1 = exact)")
     p.add_argument("--probe-layers", type=int, help="layers the attention probe walks (default: all)")
+    p.add_argument("--check-candidates", type=float,
+                   help="rows computed before the check: the probe's top reused rows, this many times "
+                        "the recompute budget (0: every row)")
     p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
     p.add_argument("--separator")
     _add_store_flags(p)
@@ -63,7 +66,7 @@ def _settings(args):
                          check_layers=args.check_layers, recompute_ratios=args.recompute_ratios,
                          deviation=args.deviation, check_layer_kv=args.check_layer_kv,
                          weight_by_attention=args.weight_by_attention, stale_key_scale=args.stale_key_scale,
-                         probe_layers=args.probe_layers,
+                         probe_layers=args.probe_layers, check_candidates=args.check_candidates,
                          chunk_context=args.chunk_context, separator=args.separator,
                          **{name: getattr(args, name) for name in _STORE_FIELDS})
 

@@ -104,6 +104,9 @@ class Settings(BaseSettings):
     # None: the value measured for the model on dev records (aliases.py; README, "Closing the gap").
     stale_key_scale: float | None = Field(default=None, gt=0, le=1)
     probe_layers: int | None = Field(default=None, ge=1)  # layers the attention probe walks; None: all
+    # Rows computed before the check: the probe's top reused rows, this many times the first
+    # check's budget (0: every row). See BlendConfig.check_candidates and README, "Where blend's time goes".
+    check_candidates: float = Field(default=3.0, ge=0)
     chunk_context: Literal["bare", "bos", "prefix"] = "prefix"  # measured best: see README, "Choosing the defaults"
     layerwise: bool = Field(default=True, validation_alias=_env("layerwise", "LMCACHE_USE_LAYERWISE"))
 
@@ -176,6 +179,13 @@ class Settings(BaseSettings):
         if any(a < b for a, b in zip(ratios, ratios[1:])):
             raise ValueError(f"recompute_ratios must be non-increasing, got {ratios}")
         return ratios
+
+    @field_validator("check_candidates")
+    @classmethod
+    def _candidates_valid(cls, factor: float) -> float:
+        if 0 < factor < 1:  # fewer candidates than the check keeps would leave its budget unspent
+            raise ValueError(f"check_candidates must be 0 (every row) or >= 1, got {factor}")
+        return factor
 
     @field_validator("local_disk", mode="before")
     @classmethod

@@ -270,3 +270,29 @@ def test_stale_key_scale_defaults_to_the_models_measured_value_and_a_setting_win
     assert make_engine(model="gemma3-270m").blend_cfg.stale_key_scale == ALIASES["gemma3-270m"].stale_key_scale
     assert make_engine(model="/models/other").blend_cfg.stale_key_scale == DEFAULT_STALE_KEY_SCALE
     assert make_engine(model="gemma3-270m", stale_key_scale=0.9).blend_cfg.stale_key_scale == 0.9
+
+
+def test_check_candidates_compute_the_layers_before_the_check_for_fewer_rows_exactly():
+    engine = make_engine(stale_key_scale=0.5)
+    cs = chunks(4, seed=7)
+    engine.precompute(prompt(cs))
+    ids = prompt([cs[1], cs[3], cs[0], cs[2]])
+    T = len(ids)
+    _, full = prefill(engine, ids, "full")
+    _, blend1 = prefill(engine, ids, "blend", ratios=[1.0], check_candidates=1.0)
+    torch.testing.assert_close(blend1.logits, full.logits, atol=1e-4, rtol=1e-4)
+    _, every = prefill(engine, ids, "blend", ratios=[0.2], check_candidates=0)
+    _, all_rows = prefill(engine, ids, "blend", ratios=[0.2], check_candidates=1000)
+    _, few = prefill(engine, ids, "blend", ratios=[0.2], check_candidates=1.0)
+    assert torch.equal(all_rows.logits, every.logits)  # candidates that cover every row change nothing
+    assert few.stats.compute_frac < every.stats.compute_frac
+    # Layer 0's loaded KV equals a fresh computation's, so the candidates' layer 1 K/V is exact.
+    torch.testing.assert_close(few.cache.k[0][:, :T], every.cache.k[0][:, :T], atol=1e-5, rtol=1e-4)
+    sel = torch.tensor(few.stats.selected_positions)
+    assert sel.numel() == len(every.stats.selected_positions)
+    torch.testing.assert_close(few.cache.k[1][:, sel], every.cache.k[1][:, sel], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(few.cache.v[1][:, sel], every.cache.v[1][:, sel], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="check_candidates"):
+        replace(engine.blend_cfg, check_candidates=0.5)
+    with pytest.raises(ValueError, match="check_candidates"):
+        Settings(check_candidates=0.5)

@@ -1,12 +1,12 @@
 """Prefill of one planned request in any mode: full, prefix, reuse or blend.
 
 Rows [0, prefix_hit) hold exact KV from the prefix cache. Reused rows hold cached chunk KV moved
-to their new positions. Blend computes every other row through the layers before the first check
-layer, then at each check layer keeps only the reused rows whose fresh K (or V) deviates most from
-the cached one (by default weighted by the attention the suffix pays them, measured in a reuse
-pass first); after it only the kept rows (and the rows that must always be computed: separators,
-missed chunks, the suffix) go on, at their true positions, and their fresh KV overwrites the
-cached rows.
+to their new positions. Blend computes the other rows through the layers before the first check
+layer (by default only the must-compute rows and the reused rows the suffix attends to most, in a
+reuse pass first), then at each check layer keeps only the reused rows whose fresh K (or V)
+deviates most from the cached one (by default weighted by that attention); after it only the kept
+rows (and the rows that must always be computed: separators, missed chunks, the suffix) go on,
+at their true positions, and their fresh KV overwrites the cached rows.
 """
 
 from __future__ import annotations
@@ -43,8 +43,16 @@ class BlendConfig:
     # The attention probe walks only the first `probe_layers` layers (None: all) and sums the
     # suffix's attention there; the blend pass loads the rest. Its cost is a reuse pass's, pro rata.
     probe_layers: int | None = None
+    # Layers before the first check are computed only for the must-compute rows and the reused
+    # rows the probe's attention ranks highest, `check_candidates` times as many as the first check
+    # keeps (0: every row). Layer 0's loaded KV is exact (it depends on a token and its position
+    # only), so with a check at layer 1 those rows' deviation is exact; a token outside them would
+    # need a deviation several times the candidates' to be chosen. Needs weight_by_attention.
+    check_candidates: float = 3.0
 
     def __post_init__(self):
+        if self.check_candidates and self.check_candidates < 1:
+            raise ValueError(f"check_candidates must be >= 1 (or 0 for every row), got {self.check_candidates}")
         if self.probe_layers is not None and self.probe_layers < 1:
             raise ValueError(f"probe_layers must be >= 1 (or None for every layer), got {self.probe_layers}")
         if not 0 < self.stale_key_scale <= 1:
@@ -72,6 +80,7 @@ class PrefillStats:
     bad_entries: int = 0  # stored entries found bad during this request (discarded, recomputed)
     selected_positions: list[int] = field(default_factory=list)  # reused rows chosen for recompute
     recomputed_positions: list[int] = field(default_factory=list)  # every row computed to the end
+    checked_positions: list[int] = field(default_factory=list)  # rows the main pass began with (blend: checked)
 
 
 @dataclass
@@ -120,14 +129,19 @@ class Pass:
 
 class StaleBias:
     """Sets each layer's key bias: log(scale) on the reused rows whose KV there is stale (loaded,
-    not written by this pass), no bias where there are none."""
+    not written by this pass), no bias where there are none. Layers below `exact_below` hold no
+    stale rows (a blend pass that computes only candidates there: layer 0's loaded KV is exact)."""
 
     def __init__(self, scale: float, reused: torch.Tensor, cache: KVCache):
         self.log_scale, self.reused, self.cache = math.log(scale), reused, cache
         self.written, self.bias = None, None
+        self.exact_below = 0
 
     def set(self, layer: int, written: torch.Tensor) -> None:
         if self.log_scale == 0:
+            return
+        if layer < self.exact_below:
+            self.cache.key_bias[layer] = None
             return
         if self.written is not written:  # the stale rows change only where the written rows do
             stale = self.reused.clone()
@@ -186,6 +200,16 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
     return Pass(rows, active, computed, mass)
 
 
+def candidates(attention: torch.Tensor, reused: torch.Tensor, must: torch.Tensor, n_keep: int,
+               factor: float) -> torch.Tensor:
+    """Positions the layers before the check compute: the must-compute rows and the `factor` x
+    `n_keep` reused rows with the most attention from the probe, ascending."""
+    reused_pos = reused.nonzero().squeeze(1)
+    n = min(reused_pos.numel(), math.ceil(factor * n_keep))
+    top = reused_pos[torch.topk(attention[reused_pos], n, sorted=False).indices]
+    return torch.cat([must, top]).sort().values
+
+
 @torch.inference_mode()
 def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capacity: int = 0,
             prefetch_depth: int = 0) -> PrefillOutput:
@@ -222,7 +246,8 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
             # blend pass loads only the rest, and overwrites every row the probe computed.
             watch = must >= min(plan.segments.suffix[0], T - 1)
             probe_depth = min(cfg.probe_layers or L, L)
-            load_from = max(probe_depth, load_from)
+            # With check candidates, the layers before the check read loaded KV for the other rows.
+            load_from = probe_depth if cfg.check_candidates else max(probe_depth, load_from)
         chunk_layers = [*range(probe_depth), *range(load_from, L)]
     else:
         chunk_layers, active = range(L), must  # reuse: only the must-compute rows
@@ -234,6 +259,11 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
                                n_layers=probe_depth)
             computed, attention = probe.computed, probe.attention
         selector = Selector(checks, cfg, reused, attention) if checks else None
+        if attention is not None and cfg.check_candidates:
+            active = candidates(attention, reused, must, n_selected(checks[min(checks)], int(reused.sum())),
+                                cfg.check_candidates)
+            stale.exact_below = 1  # layer 0's loaded KV is exact for the rows not computed there
+        stats.checked_positions = active.tolist()
         out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, stale, selector)
     finally:
         loader.close()
