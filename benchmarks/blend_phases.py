@@ -33,6 +33,7 @@ from kvblend.eval.datasets import load_dataset
 from kvblend.eval.harness import prompt_ids
 from kvblend.model import runner as runner_mod
 from kvblend.model.loader import load_model
+from sweep_blend import parse_grid  # this script's folder is on sys.path
 
 
 def cpu_name() -> str:
@@ -129,9 +130,10 @@ def work_frac(engine: Engine, n_tokens: int, mode: str, cfg, stats) -> float:
     check = min(cfg.check_layers)
     probe = sum(layer_flops(runner, layer, must) for layer in range(min(cfg.probe_layers or L, L))) \
         if cfg.weight_by_attention else 0.0
-    main = sum(layer_flops(runner, layer, every if layer < check else kept) for layer in range(L))
-    attn = runner.layers[check].self_attn  # the check layer projects every row before it selects
-    qkv = 2 * sum(m.weight.numel() for m in (attn.q_proj, attn.k_proj, attn.v_proj)) * (every.numel() - kept.numel())
+    checked = torch.tensor(stats.checked_positions)  # every row, or the check candidates
+    main = sum(layer_flops(runner, layer, checked if layer < check else kept) for layer in range(L))
+    attn = runner.layers[check].self_attn  # the check layer projects every checked row before it selects
+    qkv = 2 * sum(m.weight.numel() for m in (attn.q_proj, attn.k_proj, attn.v_proj)) * (checked.numel() - kept.numel())
     return (probe + main + qkv) / full
 
 
@@ -154,6 +156,8 @@ def main() -> None:
     ap.add_argument("--ratios", default="0.08,0.15,0.3")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--clock", choices=["wall", "cpu"], default="wall")
+    ap.add_argument("--variant", action="append", default=[],
+                    help='BlendConfig fields for more blend rows at every ratio, e.g. "check_candidates=0" (repeatable)')
     ap.add_argument("--out", default="results/blend_phases.json")
     args = ap.parse_args()
     global CLOCK
@@ -161,29 +165,31 @@ def main() -> None:
     model = load_model(dtype=args.dtype)
     engine = Engine(model, load_settings(dtype=args.dtype))
     records = load_dataset(args.data, limit=args.offset + args.limit)[args.offset:]
-    variants = [("full", None), ("reuse", None)]
-    variants += [("blend", replace(engine.blend_cfg, ratios=[float(r)])) for r in args.ratios.split(",")]
-    label = lambda mode, cfg: mode if cfg is None else f"blend {cfg.ratios[0]:g}"  # noqa: E731
+    variants = [("full", None, ""), ("reuse", None, "")]
+    extra = {v: parse_grid(v.split())[0] for v in args.variant}
+    variants += [("blend", replace(engine.blend_cfg, ratios=[float(r)], **fields), name)
+                 for r in args.ratios.split(",") for name, fields in {"": {}, **extra}.items()]
+    label = lambda mode, cfg, name: mode if cfg is None else f"blend {cfg.ratios[0]:g} {name}".strip()  # noqa: E731
     ttft, frac, work = defaultdict(list), defaultdict(list), defaultdict(list)
     for record in records:
         ids = prompt_ids(engine, record)
         engine.precompute(ids)
         measure(engine, ids, "full", None, 1, None)  # warm-up
-        for mode, cfg in variants:
+        for mode, cfg, name in variants:
             t, stats = measure(engine, ids, mode, cfg, args.repeats, None)
-            ttft[label(mode, cfg)].append(t)
-            frac[label(mode, cfg)].append(stats.compute_frac)
-            work[label(mode, cfg)].append(work_frac(engine, len(ids), mode, cfg, stats))
+            ttft[label(mode, cfg, name)].append(t)
+            frac[label(mode, cfg, name)].append(stats.compute_frac)
+            work[label(mode, cfg, name)].append(work_frac(engine, len(ids), mode, cfg, stats))
     # One more prefill per variant on the first record, through the phase timers.
     phases = {}
     ids = prompt_ids(engine, records[0])
     timers = Phases()
     timers.install()
-    for mode, cfg in variants:
+    for mode, cfg, name in variants:
         timers.t.clear()
         t0 = CLOCK()
         engine.prefill(ids, mode, 0, blend_cfg=cfg)
-        phases[label(mode, cfg)] = dict(total=CLOCK() - t0, **timers.breakdown())
+        phases[label(mode, cfg, name)] = dict(total=CLOCK() - t0, **timers.breakdown())
 
     full = statistics.mean(ttft["full"])
     rows = []
