@@ -139,7 +139,9 @@ def test_number_of_selected_tokens_follows_ratios(check_layers, ratios, deviatio
     # Gradual filtering: rows computed per layer shrink at each check layer as the ratios say.
     # The attention probe is a reuse pass: the must-compute rows through every layer.
     per_layer = [must] * engine.runner.n_layers if weight_by_attention else []
-    active = plan.n_tokens - plan.prefix_hit
+    # Before the first check: every row, or (with the probe) the check candidates.
+    cand = min(n_reused, math.ceil(engine.blend_cfg.check_candidates * round(ratios[0] * n_reused)))
+    active = must + (cand if weight_by_attention else n_reused)
     for layer in range(engine.runner.n_layers):
         if layer in check_layers:
             active = must + round(ratios[check_layers.index(layer)] * n_reused)
@@ -213,12 +215,16 @@ def test_stale_key_bias_marks_exactly_the_stale_rows():
     T = len(ids)
     stale = plan.reused_mask().clone()
     stale[out.stats.recomputed_positions] = False
+    unchecked = plan.reused_mask().clone()  # reused rows outside the check candidates
+    unchecked[out.stats.checked_positions] = False
+    assert unchecked.any() and (stale & ~unchecked).any()
     check = engine.blend_cfg.check_layers[0]
     for layer, bias in enumerate(out.cache.key_bias):
-        if layer <= check:  # every row computed up to the check layer (fresh KV kept there)
+        if layer < check:  # layer 0's loaded KV is exact: nothing there is stale
             assert bias is None
-        else:
-            assert torch.equal(bias[:T] != 0, stale) and torch.allclose(bias[:T][stale], torch.tensor(math.log(0.25)))
+        else:  # at the check layer every candidate keeps its fresh KV; after it, only the kept rows
+            rows = unchecked if layer == check else stale
+            assert torch.equal(bias[:T] != 0, rows) and torch.allclose(bias[:T][rows], torch.tensor(math.log(0.25)))
     # decode reads the same bias: the next token's logits change without it
     step = lambda: engine.runner.forward(torch.tensor([40]), torch.tensor([T]), out.cache)  # noqa: E731
     damped = step()
