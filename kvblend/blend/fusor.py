@@ -260,7 +260,7 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
             computed, attention = probe.computed, probe.attention
         selector = Selector(checks, cfg, reused, attention) if checks else None
         if attention is not None and cfg.check_candidates:
-            active = candidates(attention, reused, must, n_selected(checks[min(checks)], int(reused.sum())),
+            active = candidates(attention, reused, must, n_selected(checks[min(checks)], selector.n_reused),
                                 cfg.check_candidates)
             stale.exact_below = 1  # layer 0's loaded KV is exact for the rows not computed there
         stats.checked_positions = active.tolist()
