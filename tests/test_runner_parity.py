@@ -51,6 +51,11 @@ def test_rerotation_moves_k_to_new_positions(family):
     tables = runner.shift_tables(torch.full((30,), q - p), k_p.device)
     moved = torch.stack([runner.rerotate(layer, k_p[layer], tables) for layer in range(runner.n_layers)])
     torch.testing.assert_close(moved, k_q, atol=1e-4, rtol=1e-4)
+    # The loader writes moved K straight into its cache rows: the same rotation.
+    into = torch.full_like(moved, float("nan"))
+    for layer in range(runner.n_layers):
+        runner.rerotate(layer, k_p[layer], tables, out=into[layer])
+    torch.testing.assert_close(into, moved, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(v_p, v_q, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(k_p, k_q, atol=1e-2)  # the rotation really was needed
     if family == "gemma3":  # the layer types really rotate differently

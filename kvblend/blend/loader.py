@@ -61,17 +61,19 @@ class ChunkLoader:
             self._thread = threading.Thread(target=self._work, name="kvblend-layer-loader", daemon=True)
             self._thread.start()
 
-    def _read(self, layer: int) -> list[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    def _write(self, layer: int) -> None:
+        """Read this layer's parts and write them, re-encoded, into the cache: straight into its
+        rows, since a layer's rows are read only after load_layer hands that layer over."""
         parts = self.prefix_parts + (self.chunk_parts if layer in self.chunk_layers else [])
-        out = []
+        dev = self.runner.device
         for src, offset, start, end, tables in parts:
             k, v = src.layer(layer)
-            k = k[:, offset:offset + end - start].to(self.runner.device)
-            v = v[:, offset:offset + end - start]
-            if tables is not None:
-                k = self.runner.rerotate(layer, k, tables)
-            out.append((start, end, k, v))
-        return out
+            rows = slice(offset, offset + end - start)
+            if tables is None:
+                self.cache.k[layer, :, start:end] = k[:, rows].to(dev)
+            else:
+                self.runner.rerotate(layer, k[:, rows].to(dev), tables, out=self.cache.k[layer, :, start:end])
+            self.cache.v[layer, :, start:end] = v[:, rows]
 
     def _work(self) -> None:
         with torch.inference_mode():
@@ -79,11 +81,11 @@ class ChunkLoader:
                 if self._stop:
                     return
                 try:
-                    item = self._read(layer)
+                    self._write(layer)
                 except BaseException as e:  # handed to the prefill, which decides
                     self._q.put(e)
                     return
-                self._q.put(item)  # blocks while `depth` layers wait: never further ahead
+                self._q.put(layer)  # blocks while `depth` layers wait: never further ahead
 
     def load_layer(self, layer: int) -> None:
         if layer < self.next_layer:
@@ -91,13 +93,10 @@ class ChunkLoader:
         if layer != self.next_layer:
             raise RuntimeError(f"layer {layer} loaded before layer {self.next_layer}")
         t0 = time.perf_counter()
-        writes = self._q.get() if self._thread is not None else self._read(layer)
+        done = self._q.get() if self._thread is not None else self._write(layer)
         self.wait_s += time.perf_counter() - t0
-        if isinstance(writes, BaseException):
-            raise writes
-        for start, end, k, v in writes:
-            self.cache.k[layer, :, start:end] = k
-            self.cache.v[layer, :, start:end] = v
+        if isinstance(done, BaseException):
+            raise done
         self.next_layer = layer + 1
 
     def close(self) -> None:

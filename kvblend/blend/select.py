@@ -43,25 +43,37 @@ def attend_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, q
                      bias: torch.Tensor | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The attention output of q over (k, v) [Hkv, T, d], [H, n, d] in q's dtype (None without v),
     and its attention_mass, from one softmax: the probe needs both for its watched rows, and a
-    second pass over [n, T] scores for the mass would cost most of the attention again."""
+    second pass over [n, T] scores for the mass would cost most of the attention again.
+
+    Work is in place on one [group * n, keys] buffer per key head, the softmax left unnormalised
+    (its row sums scale the output and weigh the mass instead): each pass over the scores costs as
+    much as the attention's matmuls here. Keys no query sees (before the earliest window) are skipped."""
     n_kv, T = k.shape[0], k.shape[1]
-    group = q.shape[0] // n_kv
-    key_pos = torch.arange(T, device=k.device)
-    hidden = key_pos[None, :] > q_pos[:, None]  # [n, T]: keys a query cannot see
+    group, n = q.shape[0] // n_kv, q.shape[1]
+    first_q, last_q = int(q_pos.min()), int(q_pos.max())
+    k0 = 0 if window is None else max(0, first_q - window + 1)  # keys before k0: in no query's window
+    # Only keys past the earliest query (causal) or in some query's window but not all need a mask.
+    m0 = k0 if window is not None and last_q - window + 1 > k0 else min(first_q + 1, T)
+    key_pos = torch.arange(m0, T, device=k.device)
+    hidden = key_pos[None, :] > q_pos[:, None]  # [n, T - m0]
     if window is not None:
         hidden |= key_pos[None, :] <= q_pos[:, None] - window
     mass = torch.zeros(T, dtype=torch.float32, device=k.device)
     out = None if v is None else torch.empty_like(q)
+    qs = q.float() * scale
     for h in range(n_kv):  # one key head at a time bounds memory to [group * n, T]
         heads = slice(h * group, (h + 1) * group)
-        s = q[heads].float() @ k[h].float().T * scale  # [group, n, T]
+        s = qs[heads].reshape(group * n, -1) @ k[h, k0:].float().T  # [group * n, T - k0]
         if bias is not None:
-            s += bias.float()
-        p = s.masked_fill_(hidden, float("-inf")).softmax(dim=-1)
-        mass += p.sum(dim=(0, 1))
+            s += bias[k0:].float()
+        s.view(group, n, -1)[:, :, m0 - k0:].masked_fill_(hidden, float("-inf"))
+        s -= s.amax(dim=-1, keepdim=True)
+        s.exp_()
+        inv_sum = s.sum(dim=-1, keepdim=True).reciprocal_()  # [group * n, 1]
+        mass[k0:] += (inv_sum.T @ s)[0]
         if out is not None:
-            out[heads] = (p @ v[h].float()).to(out.dtype)
-    return out, mass / (q.shape[0] * q.shape[1])
+            out[heads] = ((s @ v[h, k0:].float()) * inv_sum).view(group, n, -1).to(out.dtype)
+    return out, mass / (q.shape[0] * n)
 
 
 def n_selected(ratio: float, n_reused: int) -> int:

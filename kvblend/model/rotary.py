@@ -56,11 +56,23 @@ class Rotary:
         return emb.cos(), emb.sin()
 
     def rerotate(self, k: torch.Tensor, delta: torch.Tensor | None = None,
-                 table: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Rotate k [..., n, d] by delta [n] positions (or by a `shift_table`), in fp32."""
+                 table: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate k [..., n, d] by delta [n] positions (or by a `shift_table`), in fp32; into `out`
+        (which must not overlap k) where given."""
         cos, sin = table if table is not None else self.shift_table(delta, k.device)
-        kf = k.float()
-        return (kf * cos + rotate_half(kf) * sin).to(k.dtype)
+        if out is None or k.dtype != torch.float32 or out.dtype != torch.float32:
+            kf = k.float()
+            moved = (kf * cos + rotate_half(kf) * sin).to(k.dtype)
+            return moved if out is None else out.copy_(moved)
+        # fp32 into a cache view: each half written once, no temporaries (loading is memory-bound).
+        # cos and sin repeat over the two halves (Rotary.shift_table).
+        half = k.shape[-1] // 2
+        c, s = cos[..., :half], sin[..., :half]
+        k1, k2, o1, o2 = k[..., :half], k[..., half:], out[..., :half], out[..., half:]
+        torch.mul(k1, c, out=o1).addcmul_(k2, s, value=-1)
+        torch.mul(k2, c, out=o2).addcmul_(k1, s)
+        return out
 
 
 def rotaries(hf_model: torch.nn.Module) -> dict[str | None, Rotary]:

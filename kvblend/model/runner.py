@@ -143,10 +143,10 @@ class Runner:
         """Per rotary key, the rotation moving cached K by delta [n] positions (see Rotary.shift_table)."""
         return {key: rot.shift_table(delta, device) for key, rot in self.rotaries.items()}
 
-    def rerotate(self, layer: int, k: torch.Tensor, tables: dict) -> torch.Tensor:
-        """Cached K [Hkv, n, d] of `layer`, moved by its rotary's table from `shift_tables`."""
+    def rerotate(self, layer: int, k: torch.Tensor, tables: dict, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Cached K [Hkv, n, d] of `layer`, moved by its rotary's table from `shift_tables` (into `out`)."""
         key = self.layer_rope[layer]
-        return self.rotaries[key].rerotate(k, table=tables[key])
+        return self.rotaries[key].rerotate(k, table=tables[key], out=out)
 
     def qkv(self, layer: int, rows: Rows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [H, n, d], k and v [Hkv, n, d]; q and k rotated at the rows' positions."""
