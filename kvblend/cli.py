@@ -32,6 +32,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--check-candidates", type=float,
                    help="rows computed before the check: the probe's top reused rows, this many times "
                         "the recompute budget (0: every row)")
+    p.add_argument("--probe-separators", action=argparse.BooleanOptionalAction, default=None,
+                   help="the attention probe computes the separators between chunks too (default: it skips them)")
     p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
     p.add_argument("--separator")
     _add_store_flags(p)
@@ -67,7 +69,7 @@ def _settings(args):
                          deviation=args.deviation, check_layer_kv=args.check_layer_kv,
                          weight_by_attention=args.weight_by_attention, stale_key_scale=args.stale_key_scale,
                          probe_layers=args.probe_layers, check_candidates=args.check_candidates,
-                         chunk_context=args.chunk_context, separator=args.separator,
+                         probe_separators=args.probe_separators, chunk_context=args.chunk_context, separator=args.separator,
                          **{name: getattr(args, name) for name in _STORE_FIELDS})
 
 

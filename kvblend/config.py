@@ -107,6 +107,9 @@ class Settings(BaseSettings):
     # Rows computed before the check: the probe's top reused rows, this many times the first
     # check's budget (0: every row). See BlendConfig.check_candidates and README, "Where blend's time goes".
     check_candidates: float = Field(default=3.0, ge=0)
+    # The probe computes the separators between chunks too (false: it skips them; the blend pass
+    # computes them either way). See BlendConfig.probe_separators and README, "Where blend's time goes".
+    probe_separators: bool = False
     chunk_context: Literal["bare", "bos", "prefix"] = "prefix"  # measured best: see README, "Choosing the defaults"
     layerwise: bool = Field(default=True, validation_alias=_env("layerwise", "LMCACHE_USE_LAYERWISE"))
 

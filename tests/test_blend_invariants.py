@@ -34,6 +34,12 @@ def prompt(cs):
     return join_segments(PREFIX, cs, SUFFIX, SEP)
 
 
+def separator_rows(ids, prefix_hit):
+    """Positions of the separator tokens after the prefix hit: the must-compute rows the probe skips."""
+    n = len(SEP)
+    return [i + j for i in range(prefix_hit, len(ids) - n + 1) if ids[i:i + n] == SEP for j in range(n)]
+
+
 def prefill(engine, ids, mode, ratios=None, **cfg):
     bc = engine.blend_cfg
     if ratios is not None:
@@ -137,8 +143,9 @@ def test_number_of_selected_tokens_follows_ratios(check_layers, ratios, deviatio
     must = plan.n_tokens - plan.prefix_hit - n_reused
     assert out.stats.recomputed_tokens == must + round(ratios[-1] * n_reused)
     # Gradual filtering: rows computed per layer shrink at each check layer as the ratios say.
-    # The attention probe is a reuse pass: the must-compute rows through every layer.
-    per_layer = [must] * engine.runner.n_layers if weight_by_attention else []
+    # The attention probe is a reuse pass: the must-compute rows but the separators, every layer.
+    probe = must - len(separator_rows(ids, plan.prefix_hit))
+    per_layer = [probe] * engine.runner.n_layers if weight_by_attention else []
     # Before the first check: every row, or (with the probe) the check candidates.
     cand = min(n_reused, math.ceil(engine.blend_cfg.check_candidates * round(ratios[0] * n_reused)))
     active = must + (cand if weight_by_attention else n_reused)
@@ -302,3 +309,25 @@ def test_check_candidates_compute_the_layers_before_the_check_for_fewer_rows_exa
         replace(engine.blend_cfg, check_candidates=0.5)
     with pytest.raises(ValueError, match="check_candidates"):
         Settings(check_candidates=0.5)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5])
+def test_a_probe_without_separators_skips_only_them_and_keeps_the_exact_ends(scale):
+    engine = make_engine(stale_key_scale=scale)
+    cs = chunks(4, seed=8)
+    engine.precompute(prompt(cs))
+    ids = prompt([cs[2], cs[0], cs[3], cs[1]])
+    T = len(ids)
+    _, full = prefill(engine, ids, "full")
+    _, blend1 = prefill(engine, ids, "blend", ratios=[1.0], probe_separators=False)
+    torch.testing.assert_close(blend1.logits, full.logits, atol=1e-4, rtol=1e-4)
+    _, probed = prefill(engine, ids, "blend", ratios=[0.2], probe_separators=True)
+    _, skipped = prefill(engine, ids, "blend", ratios=[0.2], probe_separators=False)
+    P = skipped.stats.prefix_hit_tokens
+    seps = separator_rows(ids, P)
+    assert len(seps) == 4 * len(SEP)  # one before each chunk but the first (in the prefix hit), one before the suffix
+    # The probe walked every layer for every must-compute row but those; the blend pass still computes them.
+    assert skipped.stats.compute_frac == pytest.approx(probed.stats.compute_frac - len(seps) / T)
+    assert set(seps) <= set(skipped.stats.recomputed_positions)
+    # The probe's -inf on their keys does not outlive it: decode reads them.
+    assert all(b is None or bool(torch.isfinite(b).all()) for b in skipped.cache.key_bias)

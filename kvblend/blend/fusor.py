@@ -49,6 +49,9 @@ class BlendConfig:
     # only), so with a check at layer 1 those rows' deviation is exact; a token outside them would
     # need a deviation several times the candidates' to be chosen. Needs weight_by_attention.
     check_candidates: float = 3.0
+    # The probe computes the separators between chunks too (they are must-compute rows). False:
+    # it skips them and hides their keys from its rows; the blend pass computes them as before.
+    probe_separators: bool = False
 
     def __post_init__(self):
         if self.check_candidates and self.check_candidates < 1:
@@ -130,26 +133,31 @@ class Pass:
 class StaleBias:
     """Sets each layer's key bias: log(scale) on the reused rows whose KV there is stale (loaded,
     not written by this pass), no bias where there are none. Layers below `exact_below` hold no
-    stale rows (a blend pass that computes only candidates there: layer 0's loaded KV is exact)."""
+    stale rows (a blend pass that computes only candidates there: layer 0's loaded KV is exact).
+    `hidden` positions (a pass that skips them) get -inf: no row reads their keys."""
 
     def __init__(self, scale: float, reused: torch.Tensor, cache: KVCache):
         self.log_scale, self.reused, self.cache = math.log(scale), reused, cache
         self.written, self.bias = None, None
         self.exact_below = 0
+        self.hidden: torch.Tensor | None = None
+
+    def hide(self, positions: torch.Tensor | None) -> None:
+        self.hidden, self.written = positions, None  # the next set() builds the bias again
 
     def set(self, layer: int, written: torch.Tensor) -> None:
-        if self.log_scale == 0:
-            return
-        if layer < self.exact_below:
+        if (self.log_scale == 0 and self.hidden is None) or layer < self.exact_below:
             self.cache.key_bias[layer] = None
             return
         if self.written is not written:  # the stale rows change only where the written rows do
             stale = self.reused.clone()
             stale[written] = False
             self.written, self.bias = written, None
-            if bool(stale.any()):
+            if (self.log_scale != 0 and bool(stale.any())) or self.hidden is not None:
                 self.bias = torch.zeros(self.cache.capacity, dtype=self.cache.k.dtype, device=stale.device)
                 self.bias[: stale.shape[0]][stale] = self.log_scale
+                if self.hidden is not None:
+                    self.bias[self.hidden] = float("-inf")
         self.cache.key_bias[layer] = self.bias
 
 
@@ -244,7 +252,14 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
             # A reuse pass first, over the must-compute rows only: what its suffix rows attend to
             # is what the question reads. It loads the chunk KV of the layers it walks, so the
             # blend pass loads only the rest, and overwrites every row the probe computed.
-            watch = must >= min(plan.segments.suffix[0], T - 1)
+            probe_rows = must
+            if not cfg.probe_separators and plan.segments.suffix[0] < T:  # a suffix left to watch
+                is_sep = torch.zeros(T, dtype=torch.bool, device=dev)
+                for a, b in plan.segments.separators:
+                    is_sep[a:b] = True
+                probe_rows = must[~is_sep[must]]
+                stale.hide(must[is_sep[must]])
+            watch = probe_rows >= min(plan.segments.suffix[0], T - 1)
             probe_depth = min(cfg.probe_layers or L, L)
             # With check candidates, the layers before the check read loaded KV for the other rows.
             load_from = probe_depth if cfg.check_candidates else max(probe_depth, load_from)
@@ -255,9 +270,10 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     loader.start(chunk_layers)
     try:
         if probe_depth:
-            probe = run_layers(runner, cache, loader, runner.rows(ids[must], must), must, stale, watch=watch,
-                               n_layers=probe_depth)
+            probe = run_layers(runner, cache, loader, runner.rows(ids[probe_rows], probe_rows), probe_rows, stale,
+                               watch=watch, n_layers=probe_depth)
             computed, attention = probe.computed, probe.attention
+            stale.hide(None)
         selector = Selector(checks, cfg, reused, attention) if checks else None
         if attention is not None and cfg.check_candidates:
             active = candidates(attention, reused, must, n_selected(checks[min(checks)], selector.n_reused),
