@@ -69,7 +69,8 @@ def _settings(args):
                          deviation=args.deviation, check_layer_kv=args.check_layer_kv,
                          weight_by_attention=args.weight_by_attention, stale_key_scale=args.stale_key_scale,
                          probe_layers=args.probe_layers, check_candidates=args.check_candidates,
-                         probe_separators=args.probe_separators, chunk_context=args.chunk_context, separator=args.separator,
+                         probe_separators=args.probe_separators, chunk_context=args.chunk_context,
+                         separator=args.separator,
                          **{name: getattr(args, name) for name in _STORE_FIELDS})
 
 

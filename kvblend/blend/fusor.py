@@ -249,9 +249,10 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     elif checks:
         load_from, active = min(checks), pos[P:]  # fresh K for all rows up to the first check
         if cfg.weight_by_attention:
-            # A reuse pass first, over the must-compute rows only: what its suffix rows attend to
-            # is what the question reads. It loads the chunk KV of the layers it walks, so the
-            # blend pass loads only the rest, and overwrites every row the probe computed.
+            # A reuse pass first, over the must-compute rows only (by default not the separators,
+            # whose keys it hides): what its suffix rows attend to is what the question reads. It
+            # loads the chunk KV of the layers it walks, so the blend pass loads only the rest, and
+            # overwrites every row the probe computed.
             probe_rows = must
             if not cfg.probe_separators and plan.segments.suffix[0] < T:  # a suffix left to watch
                 is_sep = torch.zeros(T, dtype=torch.bool, device=dev)
