@@ -331,3 +331,15 @@ def test_a_probe_without_separators_skips_only_them_and_keeps_the_exact_ends(sca
     assert set(seps) <= set(skipped.stats.recomputed_positions)
     # The probe's -inf on their keys does not outlive it: decode reads them.
     assert all(b is None or bool(torch.isfinite(b).all()) for b in skipped.cache.key_bias)
+    # The probe never reads what the skipped rows' cache slots held before (a fresh cache is
+    # uninitialised memory): NaN there changes nothing.
+    new_cache = engine.runner.new_cache
+
+    def poisoned(capacity):
+        cache = new_cache(capacity)
+        cache.k[:, :, seps] = float("nan")
+        cache.v[:, :, seps] = float("nan")
+        return cache
+    engine.runner.new_cache = poisoned
+    _, dirty = prefill(engine, ids, "blend", ratios=[0.2], probe_separators=False)
+    assert torch.equal(dirty.logits, skipped.logits)

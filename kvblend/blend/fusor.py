@@ -144,6 +144,11 @@ class StaleBias:
 
     def hide(self, positions: torch.Tensor | None) -> None:
         self.hidden, self.written = positions, None  # the next set() builds the bias again
+        if positions is not None:
+            # Their slots are never written by the pass that hides them, and a fresh cache is
+            # uninitialised: a NaN key or value there would survive the -inf (NaN + -inf, 0 * NaN).
+            self.cache.k[:, :, positions] = 0
+            self.cache.v[:, :, positions] = 0
 
     def set(self, layer: int, written: torch.Tensor) -> None:
         if (self.log_scale == 0 and self.hidden is None) or layer < self.exact_below:
