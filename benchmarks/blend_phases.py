@@ -164,7 +164,7 @@ def main() -> None:
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
     model = load_model(dtype=args.dtype)
     engine = Engine(model, load_settings(dtype=args.dtype))
-    records = load_dataset(args.data, limit=args.offset + args.limit)[args.offset:]
+    records = load_dataset(args.data, limit=args.limit, offset=args.offset)
     variants = [("full", None, ""), ("reuse", None, "")]
     extra = {v: parse_grid(v.split())[0] for v in args.variant}
     variants += [("blend", replace(engine.blend_cfg, ratios=[float(r)], **fields), name)

@@ -39,7 +39,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="bare,prefix,bos")
     ap.add_argument("--out", default="results/choose_defaults.json")
     args = ap.parse_args()
-    records = load_dataset(args.data, limit=args.offset + args.limit)[args.offset:]
+    records = load_dataset(args.data, limit=args.limit, offset=args.offset)
     model = load_model()
     rows = []
     for ctx in args.contexts.split(","):

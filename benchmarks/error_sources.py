@@ -109,7 +109,7 @@ def main() -> None:
     cfg = engine.blend_cfg
     plain = replace(cfg, weight_by_attention=False, stale_key_scale=1.0, probe_layers=None)
     ratios = [float(r) for r in args.ratios.split(",")]
-    records = load_dataset(args.data, limit=args.offset + args.limit)[args.offset:]
+    records = load_dataset(args.data, limit=args.limit, offset=args.offset)
     scores = defaultdict(list)  # label -> [(kl, top1)]
     layer_err, pos_err, margin_kl = [], defaultdict(list), []
     for record in tqdm(records, desc="records"):

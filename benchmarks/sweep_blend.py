@@ -71,7 +71,7 @@ def main() -> None:
                          'with --grid, each is added to every grid combination)')
     ap.add_argument("--out", default="results/sweep_blend.json")
     args = ap.parse_args()
-    records = load_dataset(args.data, limit=args.offset + args.limit)[args.offset:]
+    records = load_dataset(args.data, limit=args.limit, offset=args.offset)
     model = load_model(args.model or load_settings().model, dtype=args.dtype)
     engine = Engine(model, load_settings(model=args.model, dtype=args.dtype))
     grid = parse_grid(args.grid) or [{}]
