@@ -260,9 +260,7 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
             # overwrites every row the probe computed.
             probe_rows = must
             if not cfg.probe_separators and plan.segments.suffix[0] < T:  # a suffix left to watch
-                is_sep = torch.zeros(T, dtype=torch.bool, device=dev)
-                for a, b in plan.segments.separators:
-                    is_sep[a:b] = True
+                is_sep = plan.separator_mask().to(dev)
                 probe_rows = must[~is_sep[must]]
                 stale.hide(must[is_sep[must]])
             watch = probe_rows >= min(plan.segments.suffix[0], T - 1)

@@ -48,6 +48,13 @@ class Plan:
         mask[: self.prefix_hit] = False
         return mask
 
+    def separator_mask(self) -> torch.Tensor:
+        """Rows of the separators between chunks (never reused: computed in every mode)."""
+        mask = torch.zeros(self.n_tokens, dtype=torch.bool)
+        for a, b in self.segments.separators:
+            mask[a:b] = True
+        return mask
+
     @property
     def hits(self) -> int:
         return sum(c.kv is not None for c in self.chunks)
