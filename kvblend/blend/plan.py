@@ -49,7 +49,7 @@ class Plan:
         return mask
 
     def separator_mask(self) -> torch.Tensor:
-        """Rows of the separators between chunks (never reused: computed in every mode)."""
+        """Rows of the separator tokens between segments: never part of a reused chunk."""
         mask = torch.zeros(self.n_tokens, dtype=torch.bool)
         for a, b in self.segments.separators:
             mask[a:b] = True
