@@ -19,6 +19,23 @@ def test_full_prefill_logits_match_transformers(family):
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_last_layer_computes_only_the_logit_rows(family):
+    """Past the last layer's KV only the rows whose logits are asked for go on: the cache is the
+    same bit for bit, and their logits agree with those of a pass that finishes every row."""
+    m = tiny_model(family, seed=4)
+    ids = torch.randint(0, m.config.vocab_size, (70,), generator=torch.Generator().manual_seed(5))
+    runner = Runner(m)
+    every, last = runner.new_cache(70), runner.new_cache(70)
+    all_rows = runner.forward(ids, torch.arange(70), every, logit_rows=slice(None))
+    tail = runner.forward(ids, torch.arange(70), last)
+    picked = runner.forward(ids, torch.arange(70), runner.new_cache(70), logit_rows=torch.tensor([3, 50]))
+    assert tail.shape == (1, m.config.vocab_size) and picked.shape == (2, m.config.vocab_size)
+    assert torch.equal(every.k[:, :, :70], last.k[:, :, :70]) and torch.equal(every.v[:, :, :70], last.v[:, :, :70])
+    torch.testing.assert_close(tail, all_rows[-1:], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(picked, all_rows[[3, 50]], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
 def test_scattered_rows_and_decode_match_transformers(family):
     """Rows computed in any grouping (a block after a prefix, then one by one) match."""
     m = tiny_model(family, seed=3)

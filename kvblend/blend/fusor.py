@@ -124,7 +124,7 @@ class Selector:
 class Pass:
     """One walk through the layers: what it computed and, if asked, what the watched rows read."""
 
-    rows: Rows
+    rows: Rows  # after the model's last layer, only the last row; a watching pass's stop a layer short
     active: torch.Tensor  # positions of the rows computed at the last layer
     computed: int  # (layer, row) pairs computed
     attention: torch.Tensor | None  # [T] attention mass the watched rows put on each position
@@ -181,7 +181,8 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
             raise ValueError("the watched rows must be the last rows of the pass")
         head = Rows(rows.h[:0], active[:n_head], {})  # its query groups, built once for every layer
     computed = 0
-    for layer in range(runner.n_layers if n_layers is None else n_layers):
+    depth = runner.n_layers if n_layers is None else n_layers
+    for layer in range(depth):
         loader.load_layer(layer)
         q, k, v = runner.qkv(layer, rows)
         keep = selector.keep(layer, active, k, v, cache) if selector is not None else None
@@ -198,15 +199,21 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
                 written = active
         computed += active.numel()
         stale.set(layer, written)
+        last = layer == depth - 1
         if mass is None:
+            if layer == runner.n_layers - 1:  # past the model's last KV, only the last row (its logits) is read
+                rows, q = rows.take(torch.tensor([rows.h.shape[0] - 1], device=q.device)), q[:, -1:]
             rows.h = runner.finish(layer, rows, q, cache)
             continue
         # The watched rows' attention and the mass they put on each position, from one softmax.
+        # At a watching pass's last layer only the mass is read: no attention output, no next rows.
         bias = cache.key_bias[layer]
-        o, m = attend_with_mass(q[:, n_head:], cache.k[layer][:, :T], cache.v[layer][:, :T], active[n_head:],
-                                runner.layers[layer].self_attn.scaling, runner.windows[layer],
+        o, m = attend_with_mass(q[:, n_head:], cache.k[layer][:, :T], None if last else cache.v[layer][:, :T],
+                                active[n_head:], runner.layers[layer].self_attn.scaling, runner.windows[layer],
                                 None if bias is None else bias[:T])
         mass += m
+        if last:
+            continue
         if n_head:
             o = torch.cat([runner.attention(layer, head, q[:, :n_head], cache), o], dim=1)
         rows.h = runner.after_attention(layer, rows.h, o)

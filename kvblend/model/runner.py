@@ -216,13 +216,17 @@ class Runner:
             cache.first = int(positions.min())
         cache.length = max(cache.length, int(positions.max()) + 1)
         rows = self.rows(token_ids, positions)
+        if logit_rows is None:
+            logit_rows = slice(-1, None)
+        last = self.n_layers - 1
         for layer in range(self.n_layers):
             q, k, v = self.qkv(layer, rows)
             cache.write(layer, positions, k, v)
+            if layer == last:  # past the last layer's KV only the logit rows are ever read
+                read = torch.arange(rows.h.shape[0], device=self.device)[logit_rows]
+                rows, q = rows.take(read), q[:, read]
             rows.h = self.finish(layer, rows, q, cache)
-        if logit_rows is None:
-            logit_rows = slice(-1, None)
-        return self.logits(rows.h[logit_rows])
+        return self.logits(rows.h)
 
     @torch.inference_mode()
     def decode(self, token_ids: list[int], positions: list[int], caches: list[KVCache]) -> torch.Tensor:
