@@ -124,7 +124,7 @@ class Selector:
 class Pass:
     """One walk through the layers: what it computed and, if asked, what the watched rows read."""
 
-    rows: Rows  # after the model's last layer, only the last row; a watching pass's stop a layer short
+    rows: Rows  # after the model's last layer only the last row; a watching pass's rows stop a layer short
     active: torch.Tensor  # positions of the rows computed at the last layer
     computed: int  # (layer, row) pairs computed
     attention: torch.Tensor | None  # [T] attention mass the watched rows put on each position

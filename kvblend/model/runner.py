@@ -203,11 +203,12 @@ class Runner:
 
     @torch.inference_mode()
     def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                logit_rows: torch.Tensor | slice | None = None) -> torch.Tensor | None:
+                logit_rows: torch.Tensor | slice | None = None) -> torch.Tensor:
         """Compute every layer for these tokens, writing their KV at their positions.
 
         Keys at other positions must already be in the cache. Returns logits of `logit_rows`
-        (indices into the given tokens; default the last one), or None for an empty selection.
+        (indices into the given tokens; default the last one): the last layer finishes only
+        those rows, since the others are read only through the KV they wrote.
         """
         token_ids = token_ids.to(self.device)
         positions = positions.to(self.device)
