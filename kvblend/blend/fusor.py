@@ -124,7 +124,7 @@ class Selector:
 class Pass:
     """One walk through the layers: what it computed and, if asked, what the watched rows read."""
 
-    rows: Rows  # after the model's last layer only the last row; a watching pass's rows stop a layer short
+    rows: Rows  # after the last layer only the last row; a watching pass's rows stop a layer short
     active: torch.Tensor  # positions of the rows computed at the last layer
     computed: int  # (layer, row) pairs computed
     attention: torch.Tensor | None  # [T] attention mass the watched rows put on each position
@@ -201,8 +201,8 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
         stale.set(layer, written)
         last = layer == depth - 1
         if mass is None:
-            if layer == runner.n_layers - 1:  # past the model's last KV, only the last row (its logits) is read
-                rows, q = rows.take(torch.tensor([rows.h.shape[0] - 1], device=q.device)), q[:, -1:]
+            if last:  # past the last layer's KV only the last row is read (its logits)
+                rows, q = rows.take(slice(-1, None)), q[:, -1:]
             rows.h = runner.finish(layer, rows, q, cache)
             continue
         # The watched rows' attention and the mass they put on each position, from one softmax.

@@ -95,7 +95,7 @@ class Rows:
     # Attention query groups and masks per (cache first position, window): the same for every layer.
     groups: dict = field(default_factory=dict)
 
-    def take(self, idx: torch.Tensor) -> "Rows":
+    def take(self, idx: torch.Tensor | slice) -> "Rows":
         return Rows(self.h[idx], self.pos[idx], {key: (c[idx], s[idx]) for key, (c, s) in self.rope.items()})
 
 
@@ -224,8 +224,7 @@ class Runner:
             q, k, v = self.qkv(layer, rows)
             cache.write(layer, positions, k, v)
             if layer == last:  # past the last layer's KV only the logit rows are ever read
-                read = torch.arange(rows.h.shape[0], device=self.device)[logit_rows]
-                rows, q = rows.take(read), q[:, read]
+                rows, q = rows.take(logit_rows), q[:, logit_rows]
             rows.h = self.finish(layer, rows, q, cache)
         return self.logits(rows.h)
 
