@@ -19,7 +19,7 @@ from tqdm import tqdm
 from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
-from kvblend.eval.harness import greedy, prompt_ids, teacher_forced
+from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
 from kvblend.model.loader import load_model
 
@@ -47,14 +47,10 @@ def main() -> None:
         scores = {label: [] for label in VARIANTS}
         for record in tqdm(records, desc=f"context {ctx}"):
             ids = prompt_ids(engine, record)
-            engine.precompute(ids)
-            _, full = engine.prefill(ids, "full", 40)
-            answer = greedy(engine, full, len(ids), 17)
-            ref = teacher_forced(engine, full, len(ids), answer, 16)
+            _, answer, ref = full_reference(engine, ids)
             for label, fields in VARIANTS.items():
                 mode, cfg = ("reuse", None) if fields is None else ("blend", replace(engine.blend_cfg, ratios=[RATIO], **fields))
-                _, out = engine.prefill(ids, mode, 40, blend_cfg=cfg)
-                logits = teacher_forced(engine, out, len(ids), answer, 16)
+                logits, _ = forced_logits(engine, ids, mode, cfg, answer)
                 top1 = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
                 scores[label].append((float(kl_divergence(ref, logits).mean()), top1))
         for label, s in scores.items():

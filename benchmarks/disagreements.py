@@ -22,7 +22,7 @@ from tqdm import tqdm
 from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
-from kvblend.eval.harness import greedy, prompt_ids, teacher_forced
+from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.model.loader import load_model
 
 NEAR_TIE = 0.1  # full's top-1 probability minus its runner-up's
@@ -45,17 +45,14 @@ def main() -> None:
     margins, found = [], {r: [] for r in ratios}  # every position's margin; per ratio, the disagreements
     for i, record in enumerate(tqdm(records, desc="records")):
         ids = prompt_ids(engine, record)
-        engine.precompute(ids)
-        _, full = engine.prefill(ids, "full", 40)
-        answer = greedy(engine, full, len(ids), 17)
-        ref = teacher_forced(engine, full, len(ids), answer, 16).softmax(-1)
+        _, answer, ref = full_reference(engine, ids)
+        ref = ref.softmax(-1)
         top2 = ref.topk(2, -1).values
         margin = top2[:, 0] - top2[:, 1]
         margins += margin.tolist()
         for r in ratios:
             cfg = replace(engine.blend_cfg, ratios=[r] * len(engine.blend_cfg.check_layers))
-            _, out = engine.prefill(ids, "blend", 40, blend_cfg=cfg)
-            probs = teacher_forced(engine, out, len(ids), answer, 16).softmax(-1)
+            probs = forced_logits(engine, ids, "blend", cfg, answer)[0].softmax(-1)
             for j in (probs.argmax(-1) != ref.argmax(-1)).nonzero().flatten().tolist():
                 found[r].append(dict(record=args.offset + i, position=j, full_top1_p=float(top2[j, 0]),
                                      full_margin=float(margin[j]),

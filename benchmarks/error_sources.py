@@ -32,7 +32,7 @@ from kvblend.blend.select import attention_mass
 from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
-from kvblend.eval.harness import greedy, prompt_ids, teacher_forced
+from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
 from kvblend.model.loader import load_model
 
@@ -114,11 +114,8 @@ def main() -> None:
     layer_err, pos_err, margin_kl = [], defaultdict(list), []
     for record in tqdm(records, desc="records"):
         ids = prompt_ids(engine, record)
-        engine.precompute(ids)
         T = len(ids)
-        plan, full = engine.prefill(ids, "full", 40)
-        answer = greedy(engine, full, T, 17)
-        ref = teacher_forced(engine, full, T, answer, 16)
+        full, answer, ref = full_reference(engine, ids)
         full.cache.truncate(T)
         suffix_start = engine.segments(ids).suffix[0]
         _, reuse = engine.prefill(ids, "reuse", 40, blend_cfg=replace(cfg, stale_key_scale=1.0))
@@ -135,9 +132,8 @@ def main() -> None:
             FORCED.clear()
             if forced is not None:
                 FORCED["scores"] = forced
-            _, out = engine.prefill(ids, mode, 40, blend_cfg=blend_cfg)
+            logits, out = forced_logits(engine, ids, mode, blend_cfg, answer)
             FORCED.clear()
-            logits = teacher_forced(engine, out, T, answer, 16)
             kl = kl_divergence(ref, logits)
             scores[label].append((float(kl.mean()), float((logits.argmax(-1) == ref.argmax(-1)).float().mean())))
             return out, kl

@@ -73,6 +73,29 @@ def teacher_forced(engine: Engine, out: PrefillOutput, n_prompt: int, answer: li
     return torch.cat(rows)
 
 
+# Benchmarks score modes as `kvblend eval` does, on shorter answers: full prefill's greedy answer
+# (17 tokens) fed teacher-forced, compared at its first 16 positions; the cache keeps room for it.
+REFERENCE_CAPACITY = 40
+
+
+def full_reference(engine: Engine, ids: list[int], answer_tokens: int = 17,
+                   positions: int = 16) -> tuple[PrefillOutput, list[int], torch.Tensor]:
+    """Precompute the prompt's chunks, then full prefill: its output, its greedy answer and the
+    next-token logits at the answer's first `positions` positions, teacher-forced."""
+    engine.precompute(ids)
+    _, full = engine.prefill(ids, "full", REFERENCE_CAPACITY)
+    answer = greedy(engine, full, len(ids), answer_tokens)
+    return full, answer, teacher_forced(engine, full, len(ids), answer, positions)
+
+
+def forced_logits(engine: Engine, ids: list[int], mode: str, cfg, answer: list[int],
+                  positions: int = 16) -> tuple[torch.Tensor, PrefillOutput]:
+    """Prefill in `mode` (with BlendConfig `cfg`, or None for the engine's), then the logits at
+    `answer`'s first `positions` positions, teacher-forced against that prefill's KV."""
+    _, out = engine.prefill(ids, mode, REFERENCE_CAPACITY, blend_cfg=cfg)
+    return teacher_forced(engine, out, len(ids), answer, positions), out
+
+
 def run_eval(engine: Engine, records: list[RagRecord], modes: list[str], ratios: list[float],
              answer_tokens: int = 32, tf_positions: int = 16, progress: bool = True) -> dict:
     vs = variants(modes, ratios)
