@@ -19,28 +19,19 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvblend.config import load_settings
-from kvblend.engine.engine import Engine
-from kvblend.eval.datasets import load_dataset
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
-from kvblend.model.loader import load_model
+from dev_records import add_record_flags, open_records  # this script's folder is on sys.path
 
 NEAR_TIE = 0.1  # full's top-1 probability minus its runner-up's
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--offset", type=int, default=30, help="skip the first records (keep tuning off the eval set)")
-    ap.add_argument("--limit", type=int, default=6)
+    add_record_flags(ap, limit=6)
     ap.add_argument("--ratios", default="0.15,0.3,0.5")
     ap.add_argument("--out", default="results/disagreements.json")
     args = ap.parse_args()
-    records = load_dataset(args.data, limit=args.limit, offset=args.offset)
-    settings = load_settings(model=args.model, dtype=args.dtype)
-    engine = Engine(load_model(settings.model, dtype=args.dtype), settings)
+    engine, records = open_records(args)
     ratios = [float(r) for r in args.ratios.split(",")]
     margins, found = [], {r: [] for r in ratios}  # every position's margin; per ratio, the disagreements
     for i, record in enumerate(tqdm(records, desc="records")):

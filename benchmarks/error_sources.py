@@ -29,12 +29,10 @@ from tqdm import tqdm
 
 from kvblend.blend import fusor
 from kvblend.blend.select import attention_mass
-from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
-from kvblend.eval.datasets import load_dataset
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
-from kvblend.model.loader import load_model
+from dev_records import add_record_flags, open_records  # this script's folder is on sys.path
 
 FORCED: dict = {}  # "scores": [T] tensor ranking the reused tokens, while a forced variant runs
 PROBED: dict = {}  # "attention": the probe's attention mass of the last blend prefill
@@ -96,20 +94,15 @@ def answer_margin(ref_logits: torch.Tensor) -> torch.Tensor:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--offset", type=int, default=30)
-    ap.add_argument("--limit", type=int, default=4)
-    ap.add_argument("--dtype", default="auto")
+    add_record_flags(ap, limit=4)
     ap.add_argument("--ratios", default="0.05,0.15,0.3")
     ap.add_argument("--out", default="results/error_sources.json")
     args = ap.parse_args()
     _install()
-    model = load_model(dtype=args.dtype)
-    engine = Engine(model, load_settings(dtype=args.dtype))
+    engine, records = open_records(args)
     cfg = engine.blend_cfg
     plain = replace(cfg, weight_by_attention=False, stale_key_scale=1.0, probe_layers=None)
     ratios = [float(r) for r in args.ratios.split(",")]
-    records = load_dataset(args.data, limit=args.limit, offset=args.offset)
     scores = defaultdict(list)  # label -> [(kl, top1)]
     layer_err, pos_err, margin_kl = [], defaultdict(list), []
     for record in tqdm(records, desc="records"):
@@ -163,7 +156,7 @@ def main() -> None:
 
     rows = [dict(variant=k, kl_answer=statistics.mean(x[0] for x in v), top1_agree=statistics.mean(x[1] for x in v))
             for k, v in scores.items()]
-    print(f"\n{args.data}, records {args.offset}-{args.offset + len(records) - 1}, {model.dtype}, settings: "
+    print(f"\n{args.data}, records {args.offset}-{args.offset + len(records) - 1}, {engine.model.dtype}, settings: "
           f"stale_key_scale={cfg.stale_key_scale}, probe_layers={cfg.probe_layers}")
     print("| ranking | kl_answer | top1_agree |\n| --- | --- | --- |")
     for r in rows:

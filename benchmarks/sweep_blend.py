@@ -22,12 +22,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvblend.config import load_settings
-from kvblend.engine.engine import Engine
-from kvblend.eval.datasets import load_dataset
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
-from kvblend.model.loader import load_model
+from dev_records import add_record_flags, open_records  # this script's folder is on sys.path
 
 
 def parse_grid(items: list[str]) -> list[dict]:
@@ -59,11 +56,7 @@ def _value(text: str):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--data", required=True)
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--offset", type=int, default=30, help="skip the first records (keep tuning off the eval set)")
-    ap.add_argument("--limit", type=int, default=16)
+    add_record_flags(ap, limit=16)
     ap.add_argument("--ratios", default="0.08,0.15", help="blend recompute ratios; reuse is always scored")
     ap.add_argument("--grid", nargs="*", default=[], help="field=v1,v2 ... (BlendConfig fields)")
     ap.add_argument("--variant", action="append", default=[],
@@ -71,9 +64,7 @@ def main() -> None:
                          'with --grid, each is added to every grid combination)')
     ap.add_argument("--out", default="results/sweep_blend.json")
     args = ap.parse_args()
-    records = load_dataset(args.data, limit=args.limit, offset=args.offset)
-    model = load_model(args.model or load_settings().model, dtype=args.dtype)
-    engine = Engine(model, load_settings(model=args.model, dtype=args.dtype))
+    engine, records = open_records(args)
     grid = parse_grid(args.grid) or [{}]
     combos = [{**g, **parse_grid(v.split())[0]} for g in grid for v in args.variant] or grid
     variants = {}  # label -> (mode, BlendConfig)
@@ -93,13 +84,13 @@ def main() -> None:
             scores[label].append((float(kl_divergence(ref, logits).mean()), top1, out.stats.compute_frac))
     rows = [dict(variant=label, kl_answer=statistics.mean(s[0] for s in ss), top1_agree=statistics.mean(s[1] for s in ss),
                  compute_frac=statistics.mean(s[2] for s in ss)) for label, ss in scores.items()]
-    print(f"\n{args.data}, records {args.offset}-{args.offset + len(records) - 1}, {model.dtype}")
+    print(f"\n{args.data}, records {args.offset}-{args.offset + len(records) - 1}, {engine.model.dtype}")
     print("| variant | kl_answer | top1_agree | compute_frac |\n| --- | --- | --- | --- |")
     for r in rows:
         print(f"| {r['variant']} | {r['kl_answer']:.4f} | {r['top1_agree']:.3f} | {r['compute_frac']:.3f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(data=args.data, offset=args.offset, n=len(records),
-                                              dtype=str(model.dtype), rows=rows, per_record=scores), indent=2))
+                                              dtype=str(engine.model.dtype), rows=rows, per_record=scores), indent=2))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,26 @@
+"""What the quality benchmarks share: which records they score (a slice of a dataset, by default
+past the first 30 that the README's held-out tables use) and the engine that scores them."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvblend.config import load_settings
+from kvblend.engine.engine import Engine
+from kvblend.eval.datasets import RagRecord, load_dataset
+from kvblend.model.loader import load_model
+
+
+def add_record_flags(ap: argparse.ArgumentParser, limit: int) -> None:
+    ap.add_argument("--data", required=True)
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--offset", type=int, default=30, help="skip the first records (keep tuning off the eval set)")
+    ap.add_argument("--limit", type=int, default=limit)
+
+
+def open_records(args: argparse.Namespace) -> tuple[Engine, list[RagRecord]]:
+    """The records first (a bad slice fails before the model loads), then the engine."""
+    records = load_dataset(args.data, limit=args.limit, offset=args.offset)
+    settings = load_settings(model=args.model, dtype=args.dtype)
+    return Engine(load_model(settings.model, dtype=args.dtype), settings), records
