@@ -34,6 +34,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "the recompute budget (0: every row)")
     p.add_argument("--probe-separators", action=argparse.BooleanOptionalAction, default=None,
                    help="the attention probe computes the separators between chunks too (default: it skips them)")
+    p.add_argument("--probe-attention-from", type=float,
+                   help="share of the layers below which the probe's attention is not summed (default: 1/3)")
+    p.add_argument("--probe-suffix-tokens", type=int,
+                   help="the probe computes only the suffix's last this many tokens (default: 32; 0: all of it)")
     p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
     p.add_argument("--separator")
     _add_store_flags(p)
@@ -69,7 +73,8 @@ def _settings(args):
                          deviation=args.deviation, check_layer_kv=args.check_layer_kv,
                          weight_by_attention=args.weight_by_attention, stale_key_scale=args.stale_key_scale,
                          probe_layers=args.probe_layers, check_candidates=args.check_candidates,
-                         probe_separators=args.probe_separators, chunk_context=args.chunk_context,
+                         probe_separators=args.probe_separators, probe_attention_from=args.probe_attention_from,
+                         probe_suffix_tokens=args.probe_suffix_tokens, chunk_context=args.chunk_context,
                          separator=args.separator,
                          **{name: getattr(args, name) for name in _STORE_FIELDS})
 

@@ -110,6 +110,12 @@ class Settings(BaseSettings):
     # The probe computes the separators between chunks too (false: it skips them; the blend pass
     # computes them either way). See BlendConfig.probe_separators and README, "Where blend's time goes".
     probe_separators: bool = False
+    # The probe sums the suffix's attention from this share of the layers on (0: every layer). See
+    # BlendConfig.probe_attention_from and README, "Where blend's time goes".
+    probe_attention_from: float = Field(default=1 / 3, ge=0, lt=1)
+    # The probe computes only the suffix's last this many tokens (0: all of it). See
+    # BlendConfig.probe_suffix_tokens and README, "Where blend's time goes".
+    probe_suffix_tokens: int = Field(default=32, ge=0)
     chunk_context: Literal["bare", "bos", "prefix"] = "prefix"  # measured best: see README, "Choosing the defaults"
     layerwise: bool = Field(default=True, validation_alias=_env("layerwise", "LMCACHE_USE_LAYERWISE"))
 

@@ -343,3 +343,66 @@ def test_a_probe_without_separators_skips_only_them_and_keeps_the_exact_ends(sca
     engine.runner.new_cache = poisoned
     _, dirty = prefill(engine, ids, "blend", ratios=[0.2], probe_separators=False)
     assert torch.equal(dirty.logits, skipped.logits)
+
+
+def test_the_probe_sums_its_attention_from_the_chosen_layer_on():
+    from kvblend.blend.fusor import ChunkLoader, StaleBias, run_layers
+
+    engine = make_engine()
+    ids = prompt(chunks(3, seed=9))
+    T, L, runner = len(ids), engine.runner.n_layers, engine.runner
+    plan, full = prefill(engine, ids, "full")  # exact KV at every layer for the suffix to read
+    pos = torch.arange(T - len(SUFFIX), T)
+    token_ids = torch.tensor(ids)[pos]
+    passes = {}
+    for mass_from in (0, 2, L - 1):
+        loader = ChunkLoader(runner, plan, full.cache)
+        loader.start([])
+        stale = StaleBias(1.0, torch.zeros(T, dtype=torch.bool), full.cache)
+        with torch.inference_mode():
+            passes[mass_from] = run_layers(runner, full.cache, loader, runner.rows(token_ids, pos), pos, stale,
+                                           watch=torch.ones(len(pos), dtype=torch.bool), mass_from=mass_from)
+    for mass_from, p in passes.items():
+        # Each layer's attention mass is a distribution over the keys: the sum counts the layers summed.
+        assert float(p.attention.sum()) == pytest.approx(L - mass_from, rel=1e-5)
+        assert not bool(p.attention[T:].any()) and bool((p.attention[: T - len(SUFFIX)] > 0).all())
+        # Below mass_from the rows attend through the pass's usual kernel: the same rows either way.
+        torch.testing.assert_close(p.rows.h, passes[0].rows.h, atol=1e-5, rtol=1e-5)
+    # A sum from an earlier layer holds every later layer's mass and more, position by position.
+    assert bool((passes[0].attention >= passes[2].attention - 1e-6).all())
+    assert bool((passes[2].attention >= passes[L - 1].attention - 1e-6).all())
+    with pytest.raises(ValueError, match="probe_attention_from"):
+        replace(engine.blend_cfg, probe_attention_from=1.0)
+
+
+def test_a_probe_over_the_suffix_tail_skips_only_its_head_and_keeps_the_exact_ends():
+    engine = make_engine(stale_key_scale=0.5)
+    cs = chunks(3, seed=10)
+    engine.precompute(prompt(cs))
+    ids = prompt([cs[1], cs[2], cs[0]])
+    T, tail = len(ids), 2
+    head = list(range(T - len(SUFFIX), T - tail))
+    _, full = prefill(engine, ids, "full")
+    _, blend1 = prefill(engine, ids, "blend", ratios=[1.0], probe_suffix_tokens=tail)
+    torch.testing.assert_close(blend1.logits, full.logits, atol=1e-4, rtol=1e-4)
+    _, whole = prefill(engine, ids, "blend", ratios=[0.2])
+    _, longer = prefill(engine, ids, "blend", ratios=[0.2], probe_suffix_tokens=len(SUFFIX))
+    assert torch.equal(longer.logits, whole.logits)  # a tail as long as the suffix changes nothing
+    _, tailed = prefill(engine, ids, "blend", ratios=[0.2], probe_suffix_tokens=tail)
+    # The probe skipped exactly the suffix's head, at every layer; the blend pass still computes it.
+    assert tailed.stats.compute_frac == pytest.approx(whole.stats.compute_frac - len(head) / T)
+    assert set(head) <= set(tailed.stats.recomputed_positions)
+    assert all(b is None or bool(torch.isfinite(b).all()) for b in tailed.cache.key_bias)
+    # Its rows never read the head's slots, whatever a fresh cache held there.
+    new_cache = engine.runner.new_cache
+
+    def poisoned(capacity):
+        cache = new_cache(capacity)
+        cache.k[:, :, head] = float("nan")
+        cache.v[:, :, head] = float("nan")
+        return cache
+    engine.runner.new_cache = poisoned
+    _, dirty = prefill(engine, ids, "blend", ratios=[0.2], probe_suffix_tokens=tail)
+    assert torch.equal(dirty.logits, tailed.logits)
+    with pytest.raises(ValueError, match="probe_suffix_tokens"):
+        replace(engine.blend_cfg, probe_suffix_tokens=-1)

@@ -52,12 +52,23 @@ class BlendConfig:
     # The probe computes the separators between chunks too (they are must-compute rows). False:
     # it skips them and hides their keys from its rows; the blend pass computes them as before.
     probe_separators: bool = False
+    # The probe sums the suffix's attention over the layers from this share of the depth on (0: all
+    # of them): the first layers' attention is mostly local and positional and ranks worse. Below
+    # it the probe's rows attend as in any pass. See README, "Where blend's time goes".
+    probe_attention_from: float = 1 / 3
+    # The probe computes only the suffix's last `probe_suffix_tokens` rows (0: all of it) and hides
+    # the rest of the suffix from them, as the separators: the question's end reads the passages.
+    probe_suffix_tokens: int = 32
 
     def __post_init__(self):
         if self.check_candidates and self.check_candidates < 1:
             raise ValueError(f"check_candidates must be >= 1 (or 0 for every row), got {self.check_candidates}")
         if self.probe_layers is not None and self.probe_layers < 1:
             raise ValueError(f"probe_layers must be >= 1 (or None for every layer), got {self.probe_layers}")
+        if not 0 <= self.probe_attention_from < 1:
+            raise ValueError(f"probe_attention_from must be in [0, 1), got {self.probe_attention_from}")
+        if self.probe_suffix_tokens < 0:
+            raise ValueError(f"probe_suffix_tokens must be >= 0 (0: the whole suffix), got {self.probe_suffix_tokens}")
         if not 0 < self.stale_key_scale <= 1:
             raise ValueError(f"stale_key_scale must be in (0, 1], got {self.stale_key_scale}")
         if len(self.ratios) == 1 and len(self.check_layers) > 1:
@@ -168,11 +179,11 @@ class StaleBias:
 
 def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, active: torch.Tensor,
                stale: StaleBias, selector: Selector | None = None, watch: torch.Tensor | None = None,
-               n_layers: int | None = None) -> Pass:
+               n_layers: int | None = None, mass_from: int = 0) -> Pass:
     """Every layer over the active rows, the loader supplying each layer's cached KV first (once
     per prefill); the selector narrows the rows at its check layers. `watch` (a mask over the
-    rows; no selector) sums the attention those rows pay each position, over layers. A pass may
-    stop early, after `n_layers` layers."""
+    rows; no selector) sums the attention those rows pay each position, over the layers from
+    `mass_from` on (the last layer always counts). A pass may stop early, after `n_layers` layers."""
     T = cache.length
     mass = torch.zeros(T, device=runner.device) if watch is not None else None
     if watch is not None:  # the watched rows (the suffix) are the last ones; the others attend as usual
@@ -200,7 +211,7 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
         computed += active.numel()
         stale.set(layer, written)
         last = layer == depth - 1
-        if mass is None:
+        if mass is None or (layer < mass_from and not last):
             if last:  # past the last layer's KV only the last row is read (its logits)
                 rows, q = rows.take(slice(-1, None)), q[:, -1:]
             rows.h = runner.finish(layer, rows, q, cache)
@@ -265,11 +276,16 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
             # whose keys it hides): what its suffix rows attend to is what the question reads. It
             # loads the chunk KV of the layers it walks, so the blend pass loads only the rest, and
             # overwrites every row the probe computed.
-            probe_rows = must
-            if not cfg.probe_separators and plan.segments.suffix[0] < T:  # a suffix left to watch
-                is_sep = plan.separator_mask().to(dev)
-                probe_rows = must[~is_sep[must]]
-                stale.hide(must[is_sep[must]])
+            skip = torch.zeros_like(must, dtype=torch.bool)
+            suffix = plan.segments.suffix[0]
+            if suffix < T:  # a suffix left to watch
+                if not cfg.probe_separators:
+                    skip |= plan.separator_mask().to(dev)[must]
+                if cfg.probe_suffix_tokens:  # the suffix's head: from T - probe_suffix_tokens on only
+                    skip |= (must >= suffix) & (must < T - cfg.probe_suffix_tokens)
+                if bool(skip.any()):
+                    stale.hide(must[skip])
+            probe_rows = must[~skip]
             watch = probe_rows >= min(plan.segments.suffix[0], T - 1)
             probe_depth = min(cfg.probe_layers or L, L)
             # With check candidates, the layers before the check read loaded KV for the other rows.
@@ -282,7 +298,8 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     try:
         if probe_depth:
             probe = run_layers(runner, cache, loader, runner.rows(ids[probe_rows], probe_rows), probe_rows, stale,
-                               watch=watch, n_layers=probe_depth)
+                               watch=watch, n_layers=probe_depth,
+                               mass_from=min(round(cfg.probe_attention_from * L), probe_depth - 1))
             computed, attention = probe.computed, probe.attention
             stale.hide(None)
         selector = Selector(checks, cfg, reused, attention) if checks else None

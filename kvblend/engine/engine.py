@@ -86,7 +86,8 @@ class Engine:
         self.blend_cfg = BlendConfig(list(s.check_layers), list(s.recompute_ratios), s.deviation, s.check_layer_kv,
                                      s.weight_by_attention,
                                      s.stale_key_scale if s.stale_key_scale is not None else stale_key_scale_for(s.model),
-                                     s.probe_layers, s.check_candidates, s.probe_separators)
+                                     s.probe_layers, s.check_candidates, s.probe_separators,
+                                     s.probe_attention_from, s.probe_suffix_tokens)
         bos = getattr(self.tokenizer, "bos_token_id", None)
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
         self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos,
