@@ -40,6 +40,31 @@ def separator_rows(ids, prefix_hit):
     return [i + j for i in range(prefix_hit, len(ids) - n + 1) if ids[i:i + n] == SEP for j in range(n)]
 
 
+def poison_fresh_caches(engine, rows):
+    """The engine's new caches hold NaN at `rows` (a fresh cache is uninitialised memory)."""
+    new_cache = engine.runner.new_cache
+
+    def poisoned(capacity):
+        cache = new_cache(capacity)
+        cache.k[:, :, rows] = float("nan")
+        cache.v[:, :, rows] = float("nan")
+        return cache
+    engine.runner.new_cache = poisoned
+
+
+def assert_the_probe_skipped(engine, ids, rows, before, after, **cfg):
+    """`after` (blend 0.2 with `cfg`) is `before` with `rows` left out of the probe."""
+    # The probe walked every layer for every must-compute row but those; the blend pass still computes them.
+    assert after.stats.compute_frac == pytest.approx(before.stats.compute_frac - len(rows) / len(ids))
+    assert set(rows) <= set(after.stats.recomputed_positions)
+    # The probe's -inf on their keys does not outlive it: decode reads them.
+    assert all(b is None or bool(torch.isfinite(b).all()) for b in after.cache.key_bias)
+    # The probe never reads what those rows' cache slots held before: NaN there changes nothing.
+    poison_fresh_caches(engine, rows)
+    _, dirty = prefill(engine, ids, "blend", ratios=[0.2], **cfg)
+    assert torch.equal(dirty.logits, after.logits)
+
+
 def prefill(engine, ids, mode, ratios=None, **cfg):
     bc = engine.blend_cfg
     if ratios is not None:
@@ -317,7 +342,6 @@ def test_a_probe_without_separators_skips_only_them_and_keeps_the_exact_ends(sca
     cs = chunks(4, seed=8)
     engine.precompute(prompt(cs))
     ids = prompt([cs[2], cs[0], cs[3], cs[1]])
-    T = len(ids)
     _, full = prefill(engine, ids, "full")
     _, blend1 = prefill(engine, ids, "blend", ratios=[1.0], probe_separators=False)
     torch.testing.assert_close(blend1.logits, full.logits, atol=1e-4, rtol=1e-4)
@@ -326,23 +350,7 @@ def test_a_probe_without_separators_skips_only_them_and_keeps_the_exact_ends(sca
     P = skipped.stats.prefix_hit_tokens
     seps = separator_rows(ids, P)
     assert len(seps) == 4 * len(SEP)  # one before each chunk but the first (in the prefix hit), one before the suffix
-    # The probe walked every layer for every must-compute row but those; the blend pass still computes them.
-    assert skipped.stats.compute_frac == pytest.approx(probed.stats.compute_frac - len(seps) / T)
-    assert set(seps) <= set(skipped.stats.recomputed_positions)
-    # The probe's -inf on their keys does not outlive it: decode reads them.
-    assert all(b is None or bool(torch.isfinite(b).all()) for b in skipped.cache.key_bias)
-    # The probe never reads what the skipped rows' cache slots held before (a fresh cache is
-    # uninitialised memory): NaN there changes nothing.
-    new_cache = engine.runner.new_cache
-
-    def poisoned(capacity):
-        cache = new_cache(capacity)
-        cache.k[:, :, seps] = float("nan")
-        cache.v[:, :, seps] = float("nan")
-        return cache
-    engine.runner.new_cache = poisoned
-    _, dirty = prefill(engine, ids, "blend", ratios=[0.2], probe_separators=False)
-    assert torch.equal(dirty.logits, skipped.logits)
+    assert_the_probe_skipped(engine, ids, seps, probed, skipped, probe_separators=False)
 
 
 def test_the_probe_sums_its_attention_from_the_chosen_layer_on():
@@ -389,20 +397,6 @@ def test_a_probe_over_the_suffix_tail_skips_only_its_head_and_keeps_the_exact_en
     _, longer = prefill(engine, ids, "blend", ratios=[0.2], probe_suffix_tokens=len(SUFFIX))
     assert torch.equal(longer.logits, whole.logits)  # a tail as long as the suffix changes nothing
     _, tailed = prefill(engine, ids, "blend", ratios=[0.2], probe_suffix_tokens=tail)
-    # The probe skipped exactly the suffix's head, at every layer; the blend pass still computes it.
-    assert tailed.stats.compute_frac == pytest.approx(whole.stats.compute_frac - len(head) / T)
-    assert set(head) <= set(tailed.stats.recomputed_positions)
-    assert all(b is None or bool(torch.isfinite(b).all()) for b in tailed.cache.key_bias)
-    # Its rows never read the head's slots, whatever a fresh cache held there.
-    new_cache = engine.runner.new_cache
-
-    def poisoned(capacity):
-        cache = new_cache(capacity)
-        cache.k[:, :, head] = float("nan")
-        cache.v[:, :, head] = float("nan")
-        return cache
-    engine.runner.new_cache = poisoned
-    _, dirty = prefill(engine, ids, "blend", ratios=[0.2], probe_suffix_tokens=tail)
-    assert torch.equal(dirty.logits, tailed.logits)
+    assert_the_probe_skipped(engine, ids, head, whole, tailed, probe_suffix_tokens=tail)
     with pytest.raises(ValueError, match="probe_suffix_tokens"):
         replace(engine.blend_cfg, probe_suffix_tokens=-1)
