@@ -393,7 +393,7 @@ def test_a_probe_over_the_suffix_tail_skips_only_its_head_and_keeps_the_exact_en
     _, full = prefill(engine, ids, "full")
     _, blend1 = prefill(engine, ids, "blend", ratios=[1.0], probe_suffix_tokens=tail)
     torch.testing.assert_close(blend1.logits, full.logits, atol=1e-4, rtol=1e-4)
-    _, whole = prefill(engine, ids, "blend", ratios=[0.2])
+    _, whole = prefill(engine, ids, "blend", ratios=[0.2], probe_suffix_tokens=0)
     _, longer = prefill(engine, ids, "blend", ratios=[0.2], probe_suffix_tokens=len(SUFFIX))
     assert torch.equal(longer.logits, whole.logits)  # a tail as long as the suffix changes nothing
     _, tailed = prefill(engine, ids, "blend", ratios=[0.2], probe_suffix_tokens=tail)

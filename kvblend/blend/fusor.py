@@ -286,7 +286,7 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
                 if bool(skip.any()):
                     stale.hide(must[skip])
             probe_rows = must[~skip]
-            watch = probe_rows >= min(plan.segments.suffix[0], T - 1)
+            watch = probe_rows >= min(suffix, T - 1)
             probe_depth = min(cfg.probe_layers or L, L)
             # With check candidates, the layers before the check read loaded KV for the other rows.
             load_from = probe_depth if cfg.check_candidates else max(probe_depth, load_from)
