@@ -26,7 +26,8 @@ def main() -> None:
     ap.add_argument("results", help="results.json of a kvblend eval run with several blend ratios")
     ap.add_argument("--steps", type=int, default=4000, help="values of the compute price tried")
     args = ap.parse_args()
-    per = json.load(open(args.results))["per_prompt"]
+    with open(args.results) as f:
+        per = json.load(f)["per_prompt"]
     blends = [v for v in per if v.startswith("blend")]
     if len(blends) < 2:
         raise SystemExit(f"{args.results}: needs two or more blend ratios, has {blends}")
@@ -34,23 +35,21 @@ def main() -> None:
     top1 = {v: [p["top1_agree"] for p in per[v]] for v in blends}
     cost = {v: [p["recompute_frac"] for p in per[v]] for v in blends}
     n = len(kl[blends[0]])
+    # The oracle's frontier, once: (mean compute, mean KL, mean top-1, picks) at each compute price.
+    frontier = []
+    for step in range(args.steps):
+        pick = allocate(kl, cost, step / args.steps * 4)
+        frontier.append((statistics.mean(cost[pick[i]][i] for i in range(n)),
+                         statistics.mean(kl[pick[i]][i] for i in range(n)),
+                         statistics.mean(top1[pick[i]][i] for i in range(n)), pick))
     print("| fixed ratio | kl / top-1 (compute) | oracle per prompt, same compute: kl / top-1 (compute) | ratios picked |")
     print("| --- | --- | --- | --- |")
     for fixed in blends:
         budget = statistics.mean(cost[fixed])
-        best = None
-        for step in range(args.steps):
-            pick = allocate(kl, cost, step / args.steps * 4)
-            c = statistics.mean(cost[pick[i]][i] for i in range(n))
-            k = statistics.mean(kl[pick[i]][i] for i in range(n))
-            if c <= budget * 1.001 and (best is None or k < best[0]):
-                t = statistics.mean(top1[pick[i]][i] for i in range(n))
-                best = (k, t, c, {v: pick.count(v) for v in blends if pick.count(v)})
-        k, t, c, counts = best
-        picked = ", ".join(f"{v.split()[1]}: {m}" for v, m in counts.items())
+        c, k, t, pick = min((p for p in frontier if p[0] <= budget * 1.001), key=lambda p: p[1])
+        picked = ", ".join(f"{v.split()[1]}: {pick.count(v)}" for v in blends if pick.count(v))
         print(f"| {fixed} | {statistics.mean(kl[fixed]):.4f} / {statistics.mean(top1[fixed]):.3f} ({budget:.3f}) "
               f"| {k:.4f} / {t:.3f} ({c:.3f}) | {picked} |")
-
 
 if __name__ == "__main__":
     main()
