@@ -82,6 +82,22 @@ def test_rerotation_moves_k_to_new_positions(family):
         assert not torch.allclose(one[full_layer], k_q[full_layer], atol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rerotation_into_a_half_precision_cache_rounds_once(dtype):
+    """The loader moves bf16 / fp16 K into its cache rows through fp32, rounding once: what
+    rotating the same K in fp32 and rounding the result gives, up to one rounding step."""
+    rot = Runner(tiny_model("llama", seed=5)).rotaries[None]
+    g = torch.Generator().manual_seed(6)
+    k = torch.randn(2, 40, rot.inv_freq.shape[0] * 2, generator=g).to(dtype)
+    delta = torch.randint(-300, 300, (40,), generator=g)
+    into = torch.full_like(k, float("nan"))
+    rot.rerotate(k, delta, out=into)
+    exact = rot.rerotate(k.float(), delta)
+    torch.testing.assert_close(into.float(), exact, atol=1e-3, rtol=torch.finfo(dtype).eps)
+    # and the path without `out` rounds the same rotation
+    torch.testing.assert_close(into, rot.rerotate(k, delta), atol=1e-3, rtol=torch.finfo(dtype).eps)
+
+
 def test_sliding_window_layers_read_only_their_window():
     """Gemma 3's sliding-window layers never read keys older than their window (in a block of rows
     far into the prompt, and in decode): poisoning those keys with NaN changes nothing, so that
