@@ -56,6 +56,7 @@ class Phases:
 
     def __init__(self):
         self.t = defaultdict(float)
+        self.reads = defaultdict(float)  # (query row, key, head) triples each pass's attention read
         self.pass_name = "main"
 
     @contextmanager
@@ -88,6 +89,12 @@ class Phases:
         self.wrap(fusor.Selector, "keep", "selection")
         self.wrap(runner_mod.Runner, "qkv", "qkv")
         self.wrap(runner_mod, "attend", "attention")
+        attend = runner_mod.attend
+
+        def attend_counted(q, k, v, groups, scale):
+            self.reads[self.pass_name] += q.shape[0] * sum(key_reads(g) for g in groups)
+            return attend(q, k, v, groups, scale)
+        runner_mod.attend = attend_counted
         self.wrap(runner_mod.Runner, "after_attention", "rest")
         self.wrap(runner_mod.Runner, "logits", "logits", per_pass=False)
 
@@ -102,7 +109,17 @@ class Phases:
             # what is left: the pass's own glue, and the loads it waited for (also in "chunk loading")
             inner = sum(t.get(f"{p} {key}", 0.0) for key in parts.values())
             out[f"{p}: other"] = max(0.0, t.get(f"{p} pass", 0.0) - inner)
+        # The attention kernel's rate: nanoseconds per (row, key, head) it read. Masked rows read
+        # every key of their call; the causal kernel skips the upper triangle.
+        reads = self.reads.get("main", 0.0)
+        out["main: attention ns per row·key·head"] = 1e9 * t.get("main attention", 0.0) / reads if reads else 0.0
         return out
+
+
+def key_reads(g: runner_mod.QueryGroup) -> float:
+    """(row, key) pairs one attention call reads."""
+    n = g.rows.stop - g.rows.start
+    return n * (n + 1) / 2 if g.causal else n * (g.end - g.start)
 
 
 def layer_flops(runner, layer: int, positions: torch.Tensor) -> float:
@@ -187,6 +204,7 @@ def main() -> None:
     timers.install()
     for mode, cfg, name in variants:
         timers.t.clear()
+        timers.reads.clear()
         t0 = CLOCK()
         engine.prefill(ids, mode, 0, blend_cfg=cfg)
         phases[label(mode, cfg, name)] = dict(total=CLOCK() - t0, **timers.breakdown())
