@@ -5,8 +5,8 @@ yields their attention mass too, apart), and in the main pass: q/k/v projections
 attention, the rest of a layer (o_proj, MLP, norms, residuals), logits. Reports TTFT speed-up
 over full, compute_frac (computed (layer, row) pairs over full's), efficiency (speed-up x
 compute_frac; 1.0 = at the compute bound), work_frac (FLOPs over full's, since late rows read
-more keys) with its efficiency, and names the CPU. Timings are medians over repeats, all modes
-measured in one run:
+more keys) with its efficiency, the main pass's attention time per (row, key, head) its calls read,
+and names the CPU. Timings are medians over repeats, all modes measured in one run:
 
     python benchmarks/blend_phases.py --data ../shared/data/musique_s.dev.json --limit 3
 """
