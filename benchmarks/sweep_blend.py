@@ -25,6 +25,7 @@ from tqdm import tqdm
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
 from dev_records import add_record_flags, open_records  # this script's folder is on sys.path
+from flops import work_frac
 
 
 def parse_grid(items: list[str]) -> list[dict]:
@@ -81,13 +82,15 @@ def main() -> None:
         for label, (mode, cfg) in variants.items():
             logits, out = forced_logits(engine, ids, mode, cfg, answer)
             top1 = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
-            scores[label].append((float(kl_divergence(ref, logits).mean()), top1, out.stats.compute_frac))
+            scores[label].append((float(kl_divergence(ref, logits).mean()), top1, out.stats.compute_frac,
+                                  work_frac(engine, len(ids), mode, cfg, out.stats)))
     rows = [dict(variant=label, kl_answer=statistics.mean(s[0] for s in ss), top1_agree=statistics.mean(s[1] for s in ss),
-                 compute_frac=statistics.mean(s[2] for s in ss)) for label, ss in scores.items()]
+                 compute_frac=statistics.mean(s[2] for s in ss), work_frac=statistics.mean(s[3] for s in ss))
+            for label, ss in scores.items()]
     print(f"\n{args.data}, records {args.offset}-{args.offset + len(records) - 1}, {engine.model.dtype}")
-    print("| variant | kl_answer | top1_agree | compute_frac |\n| --- | --- | --- | --- |")
+    print("| variant | kl_answer | top1_agree | compute_frac | work_frac (FLOPs) |\n| --- | --- | --- | --- | --- |")
     for r in rows:
-        print(f"| {r['variant']} | {r['kl_answer']:.4f} | {r['top1_agree']:.3f} | {r['compute_frac']:.3f} |")
+        print(f"| {r['variant']} | {r['kl_answer']:.4f} | {r['top1_agree']:.3f} | {r['compute_frac']:.3f} | {r['work_frac']:.3f} |")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(data=args.data, offset=args.offset, n=len(records),
                                               dtype=str(engine.model.dtype), rows=rows, per_record=scores), indent=2))
