@@ -88,8 +88,11 @@ class LLM:
         return self.generate(prompt_token_ids=[self.chat_ids(messages)], sampling_params=sampling_params, mode=mode)[0]
 
     def store_documents(self, documents: Sequence[str], system: str | None = None) -> int:
-        """Precompute and store documents' KV ahead of requests; returns how many were new."""
+        """Precompute and store documents' KV ahead of requests; returns how many were new.
+        The documents given together are a collection: with `neighbour_context` each is
+        precomputed after its most similar one (see Settings)."""
         ids = self.rag_prompt_ids("", documents, system)
+        self.engine.index_collection([ids])
         return self.engine.precompute(ids)
 
     def store_stats(self) -> dict[str, dict]:

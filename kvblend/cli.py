@@ -39,6 +39,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--probe-suffix-tokens", type=int,
                    help="the probe computes only the suffix's last this many tokens (default: 32; 0: all of it)")
     p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
+    p.add_argument("--neighbour-context", action=argparse.BooleanOptionalAction, default=None,
+                   help="precompute each chunk of a known collection after its most similar chunk (default: on)")
+    p.add_argument("--neighbour-index", help="file of that index (default: neighbours.json in --local-disk)")
     p.add_argument("--separator")
     _add_store_flags(p)
 
@@ -75,6 +78,7 @@ def _settings(args):
                          probe_layers=args.probe_layers, check_candidates=args.check_candidates,
                          probe_separators=args.probe_separators, probe_attention_from=args.probe_attention_from,
                          probe_suffix_tokens=args.probe_suffix_tokens, chunk_context=args.chunk_context,
+                         neighbour_context=args.neighbour_context, neighbour_index=args.neighbour_index,
                          separator=args.separator,
                          **{name: getattr(args, name) for name in _STORE_FIELDS})
 
@@ -142,7 +146,7 @@ def cmd_demo(args) -> int:
 def cmd_eval(args) -> int:
     from .engine.engine import Engine
     from .eval.datasets import load_dataset
-    from .eval.harness import run_eval
+    from .eval.harness import prompt_ids, run_eval
     from .eval.report import format_table, write_report
     from .model.loader import load_model
 
@@ -151,6 +155,9 @@ def cmd_eval(args) -> int:
                            offset=args.offset)
     loaded = load_model(settings.model, settings.dtype, settings.device)
     engine = Engine(loaded, settings)
+    # The dataset's passages are the collection a RAG server would have indexed ahead of time.
+    engine.index_collection([prompt_ids(engine, r) for r in load_dataset(args.data, nq_k=args.nq_k,
+                                                                         nq_gold_pos=args.nq_gold_pos)])
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
     results = run_eval(engine, records, modes, ratios, answer_tokens=args.answer_tokens,

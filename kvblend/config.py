@@ -117,6 +117,13 @@ class Settings(BaseSettings):
     # BlendConfig.probe_suffix_tokens and README, "Where blend's time goes".
     probe_suffix_tokens: int = Field(default=32, ge=0)
     chunk_context: Literal["bare", "bos", "prefix"] = "prefix"  # measured best: see README, "Choosing the defaults"
+    # When a collection is known (`kvblend store put`, `eval`, `demo`, LLM.store_documents), each of
+    # its chunks is precomputed after its most similar other chunk (README, "Closing the gap").
+    neighbour_context: bool = True
+    # Where that index is kept (JSON), so later processes look chunks up by the same neighbours.
+    # None: `neighbours.json` in local_disk when there is one, else in this process only. An
+    # Engine loads it at start when the file exists.
+    neighbour_index: str | None = None
     layerwise: bool = Field(default=True, validation_alias=_env("layerwise", "LMCACHE_USE_LAYERWISE"))
 
     # Storage (DESIGN.md section 2).
@@ -143,6 +150,11 @@ class Settings(BaseSettings):
     # than computing, from measured tier bandwidth and compute speed. Off by default: its choices
     # follow timings, so outputs then depend on the machine's load.
     loading_controller: bool = False
+
+    def neighbour_index_path(self) -> Path | None:
+        if self.neighbour_index is not None:
+            return Path(self.neighbour_index)
+        return Path(self.local_disk) / "neighbours.json" if self.local_disk else None
 
     @field_validator("mode", mode="before")
     @classmethod

@@ -109,4 +109,5 @@ def test_put_precomputes_a_dataset_as_eval_lays_it_out(tmp_path, capsys):
     stored = int(capsys.readouterr().out.split("stored ")[1].split()[0])
     assert stored >= 2
     assert main(["store", "ls", "--local-disk", str(kv)]) == 0
-    assert f"{len(list(kv.iterdir()))} entries" in capsys.readouterr().out
+    assert f"{len(list(kv.glob('*.safetensors')))} entries" in capsys.readouterr().out
+    assert (kv / "neighbours.json").exists()  # the dataset is the collection its chunks are indexed over

@@ -10,20 +10,23 @@ from ..store.chunk_kv import ChunkKV
 
 
 @torch.inference_mode()
-def encode_chunks(runner: Runner, context_ids: list[int], chunks: list[list[int]]) -> list[ChunkKV]:
-    """KV of each chunk computed right after `context_ids` (whose own KV is dropped).
+def encode_chunks(runner: Runner, context_ids: list[int], chunks: list[list[int]],
+                  leads: list[list[int]] | None = None) -> list[ChunkKV]:
+    """KV of each chunk computed right after `context_ids` and then its lead (a neighbour and a
+    separator, or nothing); only the chunk's own rows are kept.
 
-    The context is computed once; each chunk then overwrites the same rows after it.
+    The context is computed once; each lead and chunk then overwrite the same rows after it.
     """
+    leads = leads or [[] for _ in chunks]
     C = len(context_ids)
-    longest = max((len(c) for c in chunks), default=0)
+    longest = max((len(lead) + len(c) for lead, c in zip(leads, chunks)), default=0)
     cache = runner.new_cache(C + longest)
     if C:
         runner.forward(torch.tensor(context_ids), torch.arange(C), cache)
     out = []
-    for ids in chunks:
-        n = len(ids)
-        runner.forward(torch.tensor(ids), torch.arange(C, C + n), cache)
-        out.append(ChunkKV(cache.k[:, :, C:C + n].clone(), cache.v[:, :, C:C + n].clone(),
-                           torch.arange(C, C + n)))
+    for lead, ids in zip(leads, chunks):
+        start, end = C + len(lead), C + len(lead) + len(ids)
+        runner.forward(torch.tensor(lead + ids), torch.arange(C, end), cache)
+        out.append(ChunkKV(cache.k[:, :, start:end].clone(), cache.v[:, :, start:end].clone(),
+                           torch.arange(start, end)))
     return out

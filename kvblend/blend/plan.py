@@ -10,6 +10,7 @@ import torch
 from ..store.chunk_kv import ChunkKV
 from ..store.keys import chunk_key, prefix_block_keys, tokens_hash
 from ..store.tier import StoredEntry
+from .neighbours import NeighbourIndex
 from .segment import Segments, Span
 
 CHUNK_CONTEXTS = ("bare", "bos", "prefix")
@@ -79,7 +80,7 @@ class KeyScheme:
     """Everything that must agree for two requests to share KV, bound to one model."""
 
     def __init__(self, namespace: str, fingerprint: str, dtype: torch.dtype, chunk_context: str,
-                 block: int, bos_id: int | None, int8: bool = False):
+                 block: int, bos_id: int | None, int8: bool = False, sep_ids: list[int] | None = None):
         if chunk_context not in CHUNK_CONTEXTS:
             raise ValueError(f"unknown chunk context {chunk_context!r}; choose one of {CHUNK_CONTEXTS}")
         if chunk_context == "bos" and bos_id is None:
@@ -89,6 +90,8 @@ class KeyScheme:
         # int8-stored chunks are other KV than the model's own: they never share a key.
         self.chunk_dtype = self.dtype + ("+int8" if int8 else "")
         self.chunk_context, self.block, self.bos_id = chunk_context, block, bos_id
+        self.sep_ids = list(sep_ids or [])
+        self.neighbours: NeighbourIndex | None = None  # set when a collection is indexed
 
     def context_ids(self, token_ids: list[int], seg: Segments) -> list[int]:
         """The left context a chunk is precomputed after (its KV is dropped)."""
@@ -98,9 +101,17 @@ class KeyScheme:
             return token_ids[: seg.exact_end]
         return []
 
+    def lead_ids(self, chunk_ids: list[int]) -> list[int]:
+        """What a chunk is precomputed after besides the context: its neighbour in the indexed
+        collection and a separator, as in a prompt; nothing for a chunk outside it."""
+        neighbour = self.neighbours.neighbour_of(chunk_ids) if self.neighbours is not None else None
+        return neighbour + self.sep_ids if neighbour is not None else []
+
     def chunk_key(self, chunk_ids: list[int], context_ids: list[int]) -> str:
-        ctx_hash = tokens_hash(context_ids) if self.chunk_context == "prefix" else ""
-        return chunk_key(self.namespace, self.fingerprint, self.chunk_dtype, self.chunk_context, ctx_hash, chunk_ids)
+        lead = self.lead_ids(chunk_ids)
+        mode = self.chunk_context + ("+neighbour" if lead else "")
+        ctx_hash = tokens_hash(context_ids + lead) if self.chunk_context == "prefix" or lead else ""
+        return chunk_key(self.namespace, self.fingerprint, self.chunk_dtype, mode, ctx_hash, chunk_ids)
 
     def prefix_keys(self, token_ids: list[int], bounds: list[Span]) -> list[str]:
         return prefix_block_keys(self.namespace, self.fingerprint, self.dtype, token_ids, bounds)

@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 import time
 import warnings
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 
 from ..blend.controller import LoadingController
 from ..blend.encode import encode_chunks
 from ..blend.fusor import MODES, BlendConfig, PrefillOutput, PrefillStats, prefill
+from ..blend.neighbours import NeighbourIndex
 from ..blend.plan import KeyScheme, Plan, block_bounds, make_plan
 from ..blend.segment import Segments, segment, separator_ids
 from ..config import Settings
@@ -84,27 +85,53 @@ class Engine:
         if any(layer >= self.runner.n_layers for layer in s.check_layers):
             raise ValueError(f"check layers {s.check_layers} out of range for a {self.runner.n_layers}-layer model")
         self.blend_cfg = BlendConfig(list(s.check_layers), list(s.recompute_ratios), s.deviation, s.check_layer_kv,
-                                     s.weight_by_attention,
-                                     s.stale_key_scale if s.stale_key_scale is not None else stale_key_scale_for(s.model),
+                                     s.weight_by_attention, self._stale_key_scale(neighbours=False),
                                      s.probe_layers, s.check_candidates, s.probe_separators,
                                      s.probe_attention_from, s.probe_suffix_tokens)
         bos = getattr(self.tokenizer, "bos_token_id", None)
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
+        # Models without a tokenizer (tests' tiny random models) name their separator ids.
+        self.sep_ids = sep_ids or separator_ids(self.tokenizer, s.separator)
         self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos,
-                              s.kv_int8)
+                              s.kv_int8, self.sep_ids)
+        index_path = s.neighbour_index_path()
+        if s.neighbour_context and index_path is not None and index_path.exists():
+            self.use_neighbours(NeighbourIndex.load(index_path))
         r = self.runner
         self.spec = EntrySpec(model.fingerprint, dtype_name(model.dtype), r.n_layers, r.n_kv_heads, r.head_dim)
         self.store = build_store(s, self.spec)
         self.prefetch_depth = s.prefetch_depth if s.layerwise else 0
         self.controller = LoadingController(self.store) if s.loading_controller else None
         self.store.pick_by_bandwidth = s.loading_controller
-        # Models without a tokenizer (tests' tiny random models) name their separator ids.
-        self.sep_ids = sep_ids or separator_ids(self.tokenizer, s.separator)
         self.eos_ids = _eos_ids(model)
         self.rerotation_ok, why = check_rerotation(model.hf, self.max_len)
         if not self.rerotation_ok:
             warnings.warn(f"kvblend: cached KV cannot be moved between positions for this model ({why}); "
                           "serving every request with full prefill", RuntimeWarning, stacklevel=2)
+
+    def _stale_key_scale(self, neighbours: bool) -> float:
+        s = self.settings.stale_key_scale
+        return s if s is not None else stale_key_scale_for(self.settings.model, neighbours)
+
+    def use_neighbours(self, index: NeighbourIndex) -> None:
+        """Precompute and look up the indexed collection's chunks after their neighbours; their KV
+        is less stale, so blend damps it less (the model's measured scale)."""
+        self.keys.neighbours = index
+        self.blend_cfg = replace(self.blend_cfg, stale_key_scale=self._stale_key_scale(neighbours=True))
+
+    def index_collection(self, prompts: list[list[int]]) -> int:
+        """Add the chunks of these prompts (token ids) to the neighbour index, saved where the
+        settings say; returns how many chunks were new. A no-op when neighbour_context is off."""
+        if not self.settings.neighbour_context:
+            return 0
+        index = self.keys.neighbours or NeighbourIndex()
+        chunks = [ids[a:b] for ids in prompts for a, b in self.segments(ids).chunks]
+        new = index.add(chunks)
+        path = self.settings.neighbour_index_path()
+        if path is not None and new:
+            index.save(path)
+        self.use_neighbours(index)
+        return new
 
     # ---- checks ------------------------------------------------------------------------------
 
@@ -195,7 +222,9 @@ class Engine:
             cache = self.runner.new_cache(len(exact))
             self.runner.forward(torch.tensor(exact), torch.arange(len(exact)), cache)
             self.store_prefix(token_ids, seg, cache.k, cache.v, len(exact))
-        for key, kv in zip(todo, encode_chunks(self.runner, context, list(todo.values()))):
+        chunks = list(todo.values())
+        leads = [self.keys.lead_ids(ids) for ids in chunks]
+        for key, kv in zip(todo, encode_chunks(self.runner, context, chunks, leads)):
             self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
         return len(todo)
 

@@ -86,7 +86,7 @@ def frontier_figure(results: dict):
             ax.text(0.5, 0.5, f"no {key} values", transform=ax.transAxes, ha="center", va="center", color="gray")
     meta = results.get("meta", {})
     title = [str(meta[k]) for k in ("dataset", "model") if meta.get(k)]
-    title += [f"{k}: {meta[k]}" for k in ("records", "n_prompts", "chunk_context") if meta.get(k) is not None]
+    title += [f"{k}: {meta[k]}" for k in ("records", "n_prompts", "chunk_context", "neighbour_chunks") if meta.get(k) is not None]
     fig.suptitle("quality against speed   " + "   ".join(title), fontsize=9)
     fig.tight_layout()
     return fig

@@ -147,7 +147,8 @@ def summarize(engine: Engine, lengths: list[int], vs: list[Variant], per: dict) 
                          ttft_ratio_vs_full=statistics.mean(ttft) / full_ttft, recompute_frac=mean("recompute_frac")))
     s = engine.settings
     meta = dict(n_prompts=len(lengths), model=s.model, dtype=str(engine.model.dtype).removeprefix("torch."),
-                device=str(engine.model.device), chunk_context=s.chunk_context, deviation=s.deviation,
+                device=str(engine.model.device), chunk_context=s.chunk_context,
+                neighbour_chunks=len(engine.keys.neighbours or []), deviation=s.deviation,
                 check_layers=list(engine.blend_cfg.check_layers), check_layer_kv=s.check_layer_kv,
                 weight_by_attention=s.weight_by_attention, stale_key_scale=engine.blend_cfg.stale_key_scale,
                 probe_layers=s.probe_layers, check_candidates=s.check_candidates,

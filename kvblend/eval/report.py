@@ -146,7 +146,7 @@ def _plot(results: dict, path: Path) -> None:
 
     meta = results.get("meta", {})
     title = [str(meta[k]) for k in ("dataset", "model") if meta.get(k)]
-    title += [f"{k}: {meta[k]}" for k in ("n_prompts", "chunk_context") if meta.get(k) is not None]
+    title += [f"{k}: {meta[k]}" for k in ("n_prompts", "chunk_context", "neighbour_chunks") if meta.get(k) is not None]
     fig.suptitle("   ".join(title), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

