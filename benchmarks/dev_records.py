@@ -8,6 +8,7 @@ import argparse
 from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import RagRecord, load_dataset
+from kvblend.eval.harness import index_dataset
 from kvblend.model.loader import load_model
 
 
@@ -20,7 +21,10 @@ def add_record_flags(ap: argparse.ArgumentParser, limit: int) -> None:
 
 
 def open_records(args: argparse.Namespace) -> tuple[Engine, list[RagRecord]]:
-    """The records first (a bad slice fails before the model loads), then the engine."""
+    """The records first (a bad slice fails before the model loads), then the engine, with the
+    whole file indexed as `kvblend eval` indexes it (KVBLEND_NEIGHBOUR_CONTEXT=false: plain chunks)."""
     records = load_dataset(args.data, limit=args.limit, offset=args.offset)
     settings = load_settings(model=args.model, dtype=args.dtype)
-    return Engine(load_model(settings.model, dtype=args.dtype), settings), records
+    engine = Engine(load_model(settings.model, dtype=args.dtype), settings)
+    index_dataset(engine, load_dataset(args.data))
+    return engine, records

@@ -26,7 +26,7 @@ from kvblend.blend.neighbours import NeighbourIndex
 from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
-from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
+from kvblend.eval.harness import forced_logits, full_reference, index_dataset, prompt_ids
 from kvblend.eval.metrics import kl_divergence
 from kvblend.model.loader import load_model
 from dev_records import add_record_flags  # this script's folder is on sys.path
@@ -66,7 +66,7 @@ def main() -> None:
     fused = Engine(model, settings.model_copy(update={"neighbour_context": True, "neighbour_index": None}))
     prompts = [prompt_ids(plain, r) for r in everything]
     if not args.other_records:
-        fused.index_collection(prompts)
+        index_dataset(fused, everything)
     ratios = [0.0] + [float(x) for x in args.ratios.split(",")]
     runs = [("plain", plain, plain.blend_cfg.stale_key_scale)]
     runs += [(f"neighbour s={s}", fused, float(s)) for s in args.scales.split(",")]

@@ -146,7 +146,7 @@ def cmd_demo(args) -> int:
 def cmd_eval(args) -> int:
     from .engine.engine import Engine
     from .eval.datasets import load_dataset
-    from .eval.harness import prompt_ids, run_eval
+    from .eval.harness import index_dataset, run_eval
     from .eval.report import format_table, write_report
     from .model.loader import load_model
 
@@ -155,9 +155,7 @@ def cmd_eval(args) -> int:
                            offset=args.offset)
     loaded = load_model(settings.model, settings.dtype, settings.device)
     engine = Engine(loaded, settings)
-    # The dataset's passages are the collection a RAG server would have indexed ahead of time.
-    engine.index_collection([prompt_ids(engine, r) for r in load_dataset(args.data, nq_k=args.nq_k,
-                                                                         nq_gold_pos=args.nq_gold_pos)])
+    index_dataset(engine, load_dataset(args.data, nq_k=args.nq_k, nq_gold_pos=args.nq_gold_pos))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
     results = run_eval(engine, records, modes, ratios, answer_tokens=args.answer_tokens,

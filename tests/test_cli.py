@@ -22,6 +22,9 @@ def test_eval_writes_reports_and_keeps_the_invariants(tmp_path, capsys):
                  "--answer-tokens", "6", "--tf-positions", "4", "--dtype", "float32", "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["meta"]["n_prompts"] == 1 and results["meta"]["records"] == "1-1"
+    # The whole file is the collection its chunks' neighbours come from, not only the records scored.
+    demo = json.loads(resources.files("kvblend.demo").joinpath("passages.json").read_text())
+    assert results["meta"]["neighbour_chunks"] == len({i for q in demo["questions"][:2] for i in q["passages"]})
     rows = {(r["mode"], r["ratio"]): r for r in results["rows"]}
     assert set(rows) == {("full", None), ("prefix", None), ("reuse", None), ("blend", 0.0), ("blend", 1.0)}
     assert rows[("full", None)]["kl_answer"] == 0 and rows[("full", None)]["match_full"] == 1

@@ -48,6 +48,12 @@ def prompt_ids(engine: Engine, record: RagRecord) -> list[int]:
     return rag_prompt_ids(engine.tokenizer, engine.sep_ids, record.task.system, tail, record.passages)
 
 
+def index_dataset(engine: Engine, records: list[RagRecord]) -> int:
+    """Index a dataset's passages as the collection a RAG server would have indexed ahead of
+    time (with `neighbour_context`): the whole file, not only the records scored."""
+    return engine.index_collection([prompt_ids(engine, r) for r in records])
+
+
 @torch.inference_mode()
 def greedy(engine: Engine, out: PrefillOutput, n_prompt: int, max_tokens: int) -> list[int]:
     out.cache.truncate(n_prompt)
