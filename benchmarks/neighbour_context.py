@@ -26,7 +26,7 @@ from kvblend.blend.neighbours import NeighbourIndex
 from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
-from kvblend.eval.harness import forced_logits, full_reference, index_dataset, prompt_ids
+from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
 from kvblend.model.loader import load_model
 from dev_records import add_record_flags  # this script's folder is on sys.path
@@ -66,13 +66,13 @@ def main() -> None:
     fused = Engine(model, settings.model_copy(update={"neighbour_context": True, "neighbour_index": None}))
     prompts = [prompt_ids(plain, r) for r in everything]
     if not args.other_records:
-        index_dataset(fused, everything)
+        fused.index_collection(prompts)  # the whole file, as index_dataset does for kvblend eval
     ratios = [0.0] + [float(x) for x in args.ratios.split(",")]
     runs = [("plain", plain, plain.blend_cfg.stale_key_scale)]
     runs += [(f"neighbour s={s}", fused, float(s)) for s in args.scales.split(",")]
     scores, in_prompt, n_chunks = collections.defaultdict(list), 0, 0
-    for i, record in enumerate(tqdm(records, desc="records"), start=args.offset):
-        ids = prompt_ids(plain, record)
+    for i in tqdm(range(args.offset, args.offset + len(records)), desc="records"):
+        ids = prompts[i]
         own = [ids[a:b] for a, b in plain.segments(ids).chunks]
         if args.other_records:  # stored entries stay valid: a key names its neighbour
             fused.use_neighbours(outside_index(plain, prompts[:i] + prompts[i + 1:], own))
