@@ -3,14 +3,19 @@ and where the residual error sits (per layer, per position in a chunk, per answe
 
 Rankings forced into the recompute set at each ratio, all else equal (check layer, probe):
 - `default`: the engine's own selector with the configured settings;
-- `default, exact attention`: the same without stale-key damping (the default before it);
+- `default, exact attention`: the same without stale-key damping;
 - `plain HKVD`: V deviation at the check layer, no attention weighting, no stale-key damping;
 - `oracle: V drift`: the tokens whose stale V is farthest from full prefill's, summed over layers;
 - `oracle: full attention`: the attention the suffix pays each token in the full prefill;
 - `oracle: full attention x drift`, `probe attention x drift`: those times the true drift;
 - `random`.
 Oracles read full prefill's own KV, so no real request can use them: they bound what a better
-static ranking could buy. Teacher-forced against full's greedy answer (DESIGN section 5):
+static ranking could buy. Earlier defaults run beside them on plain chunks (precomputed after the
+prefix alone, the first chunk stale too), in a second store:
+- `issue 9's default`: the selector with exact attention, as when issue 9 was filed;
+- `plain chunks, damped`: the same with that model's plain-chunk damping (the default before
+  neighbour-context chunks).
+Teacher-forced against full's greedy answer (DESIGN section 5):
 
     python benchmarks/error_sources.py --data ../shared/data/musique_s.dev.json --offset 30 --limit 4
 """
@@ -101,6 +106,8 @@ def main() -> None:
     _install()
     engine, records = open_records(args)
     cfg = engine.blend_cfg
+    old = Engine(engine.model, engine.settings.model_copy(update={"neighbour_context": False,
+                                                                   "exact_first_chunk": False}))
     plain = replace(cfg, weight_by_attention=False, stale_key_scale=1.0, probe_layers=None)
     ratios = [float(r) for r in args.ratios.split(",")]
     scores = defaultdict(list)  # label -> [(kl, top1)]
@@ -110,6 +117,7 @@ def main() -> None:
         T = len(ids)
         full, answer, ref = full_reference(engine, ids)
         full.cache.truncate(T)
+        old.precompute(ids)
         suffix_start = engine.segments(ids).suffix[0]
         _, reuse = engine.prefill(ids, "reuse", 40, blend_cfg=replace(cfg, stale_key_scale=1.0))
         true_drift = drift(full.cache, reuse.cache, T).sum(0).sqrt()
@@ -121,17 +129,18 @@ def main() -> None:
                     "oracle: full attention x drift": full_att * true_drift,
                     "probe attention x drift": probe_att * true_drift, "random": torch.rand(T, generator=g)}
 
-        def score(label, mode, blend_cfg, forced=None):
+        def score(label, mode, blend_cfg, forced=None, by=engine):
             FORCED.clear()
             if forced is not None:
                 FORCED["scores"] = forced
-            logits, out = forced_logits(engine, ids, mode, blend_cfg, answer)
+            logits, out = forced_logits(by, ids, mode, blend_cfg, answer)
             FORCED.clear()
             kl = kl_divergence(ref, logits)
             scores[label].append((float(kl.mean()), float((logits.argmax(-1) == ref.argmax(-1)).float().mean())))
             return out, kl
 
         score("reuse", "reuse", replace(cfg, stale_key_scale=1.0))
+        score("reuse, plain chunks", "reuse", replace(old.blend_cfg, stale_key_scale=1.0), by=old)
         for r in ratios:
             out, kl = score(f"default {r:g}", "blend", replace(cfg, ratios=[r]))
             if r == ratios[len(ratios) // 2]:  # residual error of the middle ratio, by layer/position/answer
@@ -150,6 +159,8 @@ def main() -> None:
                         float(rel[a:b].mean()))
                 margin_kl += list(zip(answer_margin(ref).tolist(), kl.tolist()))
             score(f"default, exact attention {r:g}", "blend", replace(cfg, ratios=[r], stale_key_scale=1.0))
+            score(f"issue 9's default {r:g}", "blend", replace(old.blend_cfg, ratios=[r], stale_key_scale=1.0), by=old)
+            score(f"plain chunks, damped {r:g}", "blend", replace(old.blend_cfg, ratios=[r]), by=old)
             score(f"plain HKVD {r:g}", "blend", replace(plain, ratios=[r]))
             for name, ranking in rankings.items():
                 score(f"{name} {r:g}", "blend", replace(cfg, ratios=[r]), ranking)

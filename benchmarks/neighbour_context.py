@@ -54,6 +54,9 @@ def main() -> None:
     ap.add_argument("--scales", default="0.35", help="stale_key_scale values for the neighbour-context chunks")
     ap.add_argument("--other-records", action="store_true",
                     help="index every record but the scored one, so no neighbour comes from its own prompt")
+    ap.add_argument("--exact-first", choices=("on", "off", "both"), default="on",
+                    help="store each chunk exact as a prompt's first chunk (exact_first_chunk); both: "
+                         "neighbour chunks scored each way")
     args = ap.parse_args()
     everything = load_dataset(args.data)
     records = everything[args.offset:args.offset + args.limit]
@@ -61,26 +64,36 @@ def main() -> None:
         raise SystemExit(f"no records at offset {args.offset} of {args.data}")
     settings = load_settings(model=args.model, dtype=args.dtype)
     model = load_model(settings.model, dtype=args.dtype)
-    # One model, two stores: kvblend's plain chunks, and chunks precomputed after their neighbours.
-    plain = Engine(model, settings.model_copy(update={"neighbour_context": False}))
-    fused = Engine(model, settings.model_copy(update={"neighbour_context": True, "neighbour_index": None}))
+    # One model, a store each: kvblend's plain chunks, and chunks precomputed after their
+    # neighbours (with and without each chunk stored exact as a prompt's first).
+    exact = {"on": [True], "off": [False], "both": [True, False]}[args.exact_first]
+    plain = Engine(model, settings.model_copy(update={"neighbour_context": False, "exact_first_chunk": exact[0]}))
+    fused = {e: Engine(model, settings.model_copy(update={"neighbour_context": True, "neighbour_index": None,
+                                                        "exact_first_chunk": e})) for e in exact}
     prompts = [prompt_ids(plain, r) for r in everything]
     if not args.other_records:
-        fused.index_collection(prompts)  # the whole file, as index_dataset does for kvblend eval
+        index = NeighbourIndex()
+        index.add([ids[a:b] for ids in prompts for a, b in plain.segments(ids).chunks])  # as index_dataset does
+        for engine in fused.values():
+            engine.use_neighbours(index)
     ratios = [0.0] + [float(x) for x in args.ratios.split(",")]
     runs = [("plain", plain, plain.blend_cfg.stale_key_scale)]
-    runs += [(f"neighbour s={s}", fused, float(s)) for s in args.scales.split(",")]
+    runs += [(f"neighbour s={s}" + (f", first {'exact' if e else 'stale'}" if len(exact) > 1 else ""), engine,
+              float(s)) for s in args.scales.split(",") for e, engine in fused.items()]
     scores, in_prompt, n_chunks = collections.defaultdict(list), 0, 0
     for i in tqdm(range(args.offset, args.offset + len(records)), desc="records"):
         ids = prompts[i]
         own = [ids[a:b] for a, b in plain.segments(ids).chunks]
         if args.other_records:  # stored entries stay valid: a key names its neighbour
-            fused.use_neighbours(outside_index(plain, prompts[:i] + prompts[i + 1:], own))
+            index = outside_index(plain, prompts[:i] + prompts[i + 1:], own)
+            for engine in fused.values():
+                engine.use_neighbours(index)
         _, answer, ref = full_reference(plain, ids)
-        fused.precompute(ids)
-        leads = [fused.keys.lead_ids(c) for c in own]
-        in_prompt += sum(bool(lead) and lead[:-len(fused.sep_ids)] in own for lead in leads)
-        n_chunks += sum(bool(lead) for lead in leads)
+        for engine in fused.values():
+            engine.precompute(ids)
+        found = [index.neighbour_of(c) for c in own]
+        in_prompt += sum(n is not None and n in own for n in found)
+        n_chunks += sum(n is not None for n in found)
         for name, engine, scale in runs:
             for r in ratios:
                 cfg = replace(engine.blend_cfg, stale_key_scale=scale, **({"ratios": [r]} if r else {}))
@@ -93,8 +106,8 @@ def main() -> None:
     for (name, r), ss in scores.items():
         print(f"| {name} | {'reuse' if not r else f'blend {r:g}'} | {statistics.mean(s[0] for s in ss):.4f} | "
               f"{statistics.mean(s[1] for s in ss):.3f} |")
-    plain.close()
-    fused.close()
+    for engine in (plain, *fused.values()):
+        engine.close()
 
 
 if __name__ == "__main__":

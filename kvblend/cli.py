@@ -42,6 +42,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--neighbour-context", action=argparse.BooleanOptionalAction, default=None,
                    help="precompute each chunk of a known collection after its most similar chunk (default: on)")
     p.add_argument("--neighbour-index", help="file of that index (default: neighbours.json in --local-disk)")
+    p.add_argument("--exact-first-chunk", action=argparse.BooleanOptionalAction, default=None,
+                   help="precompute also stores each chunk exact as a prompt's first chunk (default: on)")
     p.add_argument("--separator")
     _add_store_flags(p)
 
@@ -79,7 +81,7 @@ def _settings(args):
                          probe_separators=args.probe_separators, probe_attention_from=args.probe_attention_from,
                          probe_suffix_tokens=args.probe_suffix_tokens, chunk_context=args.chunk_context,
                          neighbour_context=args.neighbour_context, neighbour_index=args.neighbour_index,
-                         separator=args.separator,
+                         exact_first_chunk=args.exact_first_chunk, separator=args.separator,
                          **{name: getattr(args, name) for name in _STORE_FIELDS})
 
 

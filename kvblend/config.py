@@ -124,6 +124,10 @@ class Settings(BaseSettings):
     # None: `neighbours.json` in local_disk when there is one, else in this process only. An
     # Engine loads it at start when the file exists.
     neighbour_index: str | None = None
+    # Precompute also stores each chunk exact as it stands first in a prompt (right after the
+    # prefix) in the prefix cache, so a prompt's first chunk is never stale: one more encode per
+    # chunk and twice its storage (README, "Closing the gap").
+    exact_first_chunk: bool = True
     layerwise: bool = Field(default=True, validation_alias=_env("layerwise", "LMCACHE_USE_LAYERWISE"))
 
     # Storage (DESIGN.md section 2).

@@ -109,7 +109,8 @@ def test_reordered_prompt_hits_every_chunk(context):
     engine.precompute(prompt(cs))
     plan, out = prefill(engine, prompt([cs[3], cs[1], cs[0], cs[2]]), "blend")
     assert plan.hits == 4 and not plan.misses
-    assert out.stats.prefix_hit_tokens == len(PREFIX) + len(SEP)  # the system prompt came exact
+    # The system prompt came exact, and the first chunk with it (exact_first_chunk).
+    assert out.stats.prefix_hit_tokens == len(PREFIX) + len(SEP) + len(cs[3]) + len(SEP)
 
 
 def test_prefix_context_key_depends_on_the_prefix():
@@ -132,7 +133,7 @@ def test_miss_in_the_middle_is_computed_and_later_chunks_still_reused():
     recomputed = set(out.stats.recomputed_positions)
     assert set(range(*b_span)) <= recomputed  # the miss is computed in the request
     assert not set(range(*c_span)) & recomputed  # the chunk after it is reused
-    assert out.stats.reused_tokens == len(a) + len(c)
+    assert out.stats.reused_tokens == len(c)  # a, the first chunk, came exact (exact_first_chunk)
     # Generating stores the missed chunk, so the next request hits all three.
     engine.generate(ids, SamplingParams(max_tokens=2))
     assert engine.plan(ids, "blend").hits == 3
@@ -147,7 +148,8 @@ def test_separators_and_suffix_always_recomputed(ratio):
     plan, out = prefill(engine, ids, "blend", ratios=[ratio])
     recomputed = set(out.stats.recomputed_positions)
     seg = plan.segments
-    for span in seg.separators[1:] + [seg.suffix]:  # the first separator is in the exact prefix
+    # Separators in the exact prefix hit (the system prompt's, the first chunk's) come exact.
+    for span in [s for s in seg.separators if s[0] >= plan.prefix_hit] + [seg.suffix]:
         assert set(range(*span)) <= recomputed
     assert set(out.stats.selected_positions) <= set(plan.reused_mask().nonzero().squeeze(1).tolist())
 
@@ -192,7 +194,8 @@ def test_selection_picks_the_most_deviating_tokens():
     v = kv.v.clone()
     v[1] += 50.0  # layer 1 (the check layer) V of chunk 1 far from fresh: maximal deviation
     kv.v = v
-    plan, out = prefill(engine, ids, "blend", ratios=[len(cs[1]) / (3 * 24)])
+    reused = int(engine.plan(ids, "blend").reused_mask().sum())  # chunks 1 and 2: chunk 0 comes exact
+    plan, out = prefill(engine, ids, "blend", ratios=[len(cs[1]) / reused])
     assert set(out.stats.selected_positions) == set(range(*plan.chunks[1].span))
 
 
@@ -349,7 +352,7 @@ def test_a_probe_without_separators_skips_only_them_and_keeps_the_exact_ends(sca
     _, skipped = prefill(engine, ids, "blend", ratios=[0.2], probe_separators=False)
     P = skipped.stats.prefix_hit_tokens
     seps = separator_rows(ids, P)
-    assert len(seps) == 4 * len(SEP)  # one before each chunk but the first (in the prefix hit), one before the suffix
+    assert len(seps) == 3 * len(SEP)  # before each chunk but the first two (in the prefix hit), before the suffix
     assert_the_probe_skipped(engine, ids, seps, probed, skipped, probe_separators=False)
 
 

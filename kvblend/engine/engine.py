@@ -196,15 +196,35 @@ class Engine:
 
     # ---- storing -------------------------------------------------------------------------
 
-    def store_prefix(self, token_ids: list[int], seg: Segments, k: torch.Tensor, v: torch.Tensor, end: int) -> int:
-        """Store exact KV (k, v: [L, Hkv, >=end, d]) of rows [0, end) as prefix-cache blocks."""
+    def store_prefix(self, token_ids: list[int], seg: Segments, k: torch.Tensor, v: torch.Tensor, end: int,
+                     start: int = 0) -> int:
+        """Store exact KV (k, v: [L, Hkv, >=end-start, d], row 0 = position `start`) of rows
+        [start, end) as prefix-cache blocks; their keys still hash every token from position 0."""
         bounds = [b for b in block_bounds(seg, self.keys.block, end) if b[1] <= end]
         stored = 0
         for (a, b), key in zip(bounds, self.keys.prefix_keys(token_ids, bounds)):
-            if key not in self.store:
-                self.store.put(key, ChunkKV(k[:, :, a:b].clone(), v[:, :, a:b].clone(), torch.arange(a, b)))
+            if a >= start and key not in self.store:
+                rows = slice(a - start, b - start)
+                self.store.put(key, ChunkKV(k[:, :, rows].clone(), v[:, :, rows].clone(), torch.arange(a, b)))
                 stored += 1
         return stored
+
+    def store_first_chunks(self, token_ids: list[int], seg: Segments) -> int:
+        """Each chunk's exact KV as it stands first in a prompt with this prefix (right after it,
+        with the separator that follows), as prefix-cache blocks: a prompt's first chunk is then
+        read exact, never stale, and blend spends its recompute on the others. Returns chunks stored."""
+        C = seg.exact_end
+        todo = {}
+        for a, b in seg.chunks:
+            first = token_ids[:C] + token_ids[a:b] + self.sep_ids
+            bounds = block_bounds(self.segments(first), self.keys.block, len(first))
+            keys = self.keys.prefix_keys(first, bounds)
+            if any(key not in self.store for (s, _), key in zip(bounds, keys) if s >= C):
+                todo[tuple(first)] = first[C:]
+        for first, kv in zip(todo, encode_chunks(self.runner, token_ids[:C], list(todo.values()))):
+            first = list(first)
+            self.store_prefix(first, self.segments(first), kv.k, kv.v, len(first), start=C)
+        return len(todo)
 
     def precompute(self, token_ids: list[int], seg: Segments | None = None) -> int:
         """Compute and store the prefix segment and every chunk of a prompt that is not stored
@@ -226,6 +246,8 @@ class Engine:
         leads = [self.keys.lead_ids(ids) for ids in chunks]
         for key, kv in zip(todo, encode_chunks(self.runner, context, chunks, leads)):
             self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
+        if self.settings.exact_first_chunk and seg.separators and seg.exact_end > 0:
+            self.store_first_chunks(token_ids, seg)
         return len(todo)
 
     def store_after(self, token_ids: list[int], plan: Plan, out: PrefillOutput, mode: str) -> None:
