@@ -72,9 +72,10 @@ def main() -> None:
                                                         "exact_first_chunk": e})) for e in exact}
     prompts = [prompt_ids(plain, r) for r in everything]
     if not args.other_records:
-        index = NeighbourIndex()
-        index.add([ids[a:b] for ids in prompts for a, b in plain.segments(ids).chunks])  # as index_dataset does
-        for engine in fused.values():
+        first, *others = fused.values()
+        first.index_collection(prompts)  # the whole file, as index_dataset does for kvblend eval
+        index = first.keys.neighbours
+        for engine in others:
             engine.use_neighbours(index)
     ratios = [0.0] + [float(x) for x in args.ratios.split(",")]
     runs = [("plain", plain, plain.blend_cfg.stale_key_scale)]

@@ -17,6 +17,8 @@ def encode_chunks(runner: Runner, context_ids: list[int], chunks: list[list[int]
 
     The context is computed once; each lead and chunk then overwrite the same rows after it.
     """
+    if not chunks:
+        return []  # nothing to encode: skip the context's forward too
     leads = leads or [[] for _ in chunks]
     C = len(context_ids)
     longest = max((len(lead) + len(c) for lead, c in zip(leads, chunks)), default=0)

@@ -214,17 +214,19 @@ class Engine:
         with the separator that follows), as prefix-cache blocks: a prompt's first chunk is then
         read exact, never stale, and blend spends its recompute on the others. Returns chunks stored."""
         C = seg.exact_end
-        todo = {}
+        todo = {}  # first prompt's ids -> (them, their segments)
         for a, b in seg.chunks:
             first = token_ids[:C] + token_ids[a:b] + self.sep_ids
-            bounds = block_bounds(self.segments(first), self.keys.block, len(first))
+            first_seg = self.segments(first)
+            bounds = block_bounds(first_seg, self.keys.block, len(first))
             keys = self.keys.prefix_keys(first, bounds)
             if any(key not in self.store for (s, _), key in zip(bounds, keys) if s >= C):
-                todo[tuple(first)] = first[C:]
-        for first, kv in zip(todo, encode_chunks(self.runner, token_ids[:C], list(todo.values()))):
-            first = list(first)
-            self.store_prefix(first, self.segments(first), kv.k, kv.v, len(first), start=C)
-        return len(todo)
+                todo[tuple(first)] = (first, first_seg)
+        firsts = list(todo.values())
+        encoded = encode_chunks(self.runner, token_ids[:C], [first[C:] for first, _ in firsts])
+        for (first, first_seg), kv in zip(firsts, encoded):
+            self.store_prefix(first, first_seg, kv.k, kv.v, len(first), start=C)
+        return len(firsts)
 
     def precompute(self, token_ids: list[int], seg: Segments | None = None) -> int:
         """Compute and store the prefix segment and every chunk of a prompt that is not stored
