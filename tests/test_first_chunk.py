@@ -4,6 +4,8 @@ import pytest
 import torch
 from test_blend_invariants import PREFIX, SEP, chunks, make_engine, prefill, prompt
 
+from kvblend.blend.controller import LoadingController
+
 
 @pytest.mark.parametrize("neighbours", [True, False])
 def test_the_first_chunk_comes_exact_in_any_order(neighbours):
@@ -57,3 +59,16 @@ def test_a_corrupt_first_chunk_block_falls_back_to_the_stored_chunk(tmp_path):
     assert out.stats.bad_entries == 1 and out.stats.prefix_hit_tokens == len(PREFIX) + len(SEP) + len(cs[2])
     _, full = prefill(engine, ids, "full")
     torch.testing.assert_close(out.logits, full.logits, atol=1e-4, rtol=1e-4)
+
+
+def test_the_loading_controller_counts_only_the_chunks_it_reads(tmp_path):
+    """The first chunk is a hit whose stored KV is never read: no load time, never dropped."""
+    cs = chunks(3, seed=16)
+    engine = make_engine(chunk_context="prefix", local_disk=str(tmp_path), local_cpu=False)
+    engine.precompute(prompt(cs))
+    engine.store.flush()
+    ctl = LoadingController(engine.store)
+    engine.store.tier("disk").meter.rate, ctl.compute.rate = 1.0, 1e6  # reading: never worth it
+    plan = engine.plan(prompt(cs[::-1]), "blend")
+    _, d = ctl.decide(plan, engine.blend_cfg)
+    assert d.dropped == 2 and [c.tier for c in plan.chunks] == ["disk"] + ["disk: recomputed"] * 2

@@ -48,8 +48,8 @@ class LoadingController:
         """Per layer: every slow-tier chunk's layer bytes over its tier's bandwidth (memory reads
         cost only re-encoding, which compute pays either way). None: a tier not measured yet."""
         total = 0.0
-        for c in plan.chunks:
-            if c.kv is None or c.tier == "memory":
+        for c in plan.read_chunks():
+            if c.tier == "memory":
                 continue
             rate = self._rate(c.tier)
             if rate is None:
@@ -75,7 +75,7 @@ class LoadingController:
         if load <= at_floor:
             return cfg, Decision(floor, floor, 0, load, at_floor, "compute-bound: loading hides behind compute")
         dropped = 0
-        slow = sorted((c for c in plan.chunks if c.kv is not None and c.tier != "memory"),
+        slow = sorted((c for c in plan.read_chunks() if c.tier != "memory"),
                       key=lambda c: self._rate(c.tier))
         while slow and not remeasure and load > (must + reused) / speed:  # reading is slower than recomputing it all
             c = slow.pop(0)

@@ -34,12 +34,8 @@ class ChunkLoader:
         # Per hit chunk: the rows it supplies (>= prefix_hit) and, when it moved, the rotations
         # that take its K there, one per rotary the model has (computed once, used at every layer).
         self.chunk_parts = []
-        for c in plan.chunks:
-            if c.kv is None:
-                continue
+        for c in plan.read_chunks():
             start = max(c.span[0], plan.prefix_hit)
-            if start >= c.span[1]:
-                continue
             offset = start - c.span[0]
             delta = torch.arange(start, c.span[1]) - c.kv.positions[offset:]
             tables = runner.shift_tables(delta, dev) if bool((delta != 0).any()) else None

@@ -56,6 +56,11 @@ class Plan:
             mask[a:b] = True
         return mask
 
+    def read_chunks(self) -> list[ChunkRef]:
+        """Hit chunks whose KV is read: those with rows past the exact prefix (a first chunk the
+        prefix cache serves exact is a hit, but its stored KV is never read)."""
+        return [c for c in self.chunks if c.kv is not None and c.span[1] > self.prefix_hit]
+
     @property
     def hits(self) -> int:
         return sum(c.kv is not None for c in self.chunks)
