@@ -135,6 +135,16 @@ def test_generate_reports_tiers_and_stores_misses_behind(tmp_path):
     engine.close()
 
 
+@pytest.mark.parametrize("first_chunk", [False, True])
+def test_precomputing_a_stored_prompt_again_computes_nothing(first_chunk, monkeypatch):
+    engine = make_engine(exact_first_chunk=first_chunk)
+    assert engine.precompute(STORED) == 4
+    calls = []
+    forward = engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    assert engine.precompute(ASKED) == 0 and calls == []  # the same prefix and chunks, moved
+
+
 # ---- bad entries ------------------------------------------------------------------------------
 
 def damage(engine, kind, how, key, other=None):

@@ -17,7 +17,7 @@ from ..blend.encode import encode_chunks
 from ..blend.fusor import MODES, BlendConfig, PrefillOutput, PrefillStats, prefill
 from ..blend.neighbours import NeighbourIndex
 from ..blend.plan import KeyScheme, Plan, block_bounds, make_plan
-from ..blend.segment import Segments, segment, separator_ids
+from ..blend.segment import Segments, Span, segment, separator_ids
 from ..config import Settings
 from ..model.aliases import stale_key_scale_for
 from ..model.loader import LoadedModel
@@ -200,14 +200,21 @@ class Engine:
                      start: int = 0) -> int:
         """Store exact KV (k, v: [L, Hkv, >=end-start, d], row 0 = position `start`) of rows
         [start, end) as prefix-cache blocks; their keys still hash every token from position 0."""
-        bounds = [b for b in block_bounds(seg, self.keys.block, end) if b[1] <= end]
         stored = 0
-        for (a, b), key in zip(bounds, self.keys.prefix_keys(token_ids, bounds)):
+        for (a, b), key in self._prefix_blocks(token_ids, seg, end):
             if a >= start and key not in self.store:
                 rows = slice(a - start, b - start)
                 self.store.put(key, ChunkKV(k[:, :, rows].clone(), v[:, :, rows].clone(), torch.arange(a, b)))
                 stored += 1
         return stored
+
+    def blocks_missing(self, token_ids: list[int], seg: Segments, end: int, start: int = 0) -> bool:
+        """Whether any prefix-cache block of rows [start, end) is not stored yet."""
+        return any(key not in self.store for (a, _), key in self._prefix_blocks(token_ids, seg, end) if a >= start)
+
+    def _prefix_blocks(self, token_ids: list[int], seg: Segments, end: int) -> list[tuple[Span, str]]:
+        bounds = [b for b in block_bounds(seg, self.keys.block, end) if b[1] <= end]
+        return list(zip(bounds, self.keys.prefix_keys(token_ids, bounds)))
 
     def store_first_chunks(self, token_ids: list[int], seg: Segments) -> int:
         """Each chunk's exact KV as it stands first in a prompt with this prefix (right after it,
@@ -218,9 +225,7 @@ class Engine:
         for a, b in seg.chunks:
             first = token_ids[:C] + token_ids[a:b] + self.sep_ids
             first_seg = self.segments(first)
-            bounds = block_bounds(first_seg, self.keys.block, len(first))
-            keys = self.keys.prefix_keys(first, bounds)
-            if any(key not in self.store for (s, _), key in zip(bounds, keys) if s >= C):
+            if self.blocks_missing(first, first_seg, len(first), start=C):
                 todo[tuple(first)] = (first, first_seg)
         firsts = list(todo.values())
         encoded = encode_chunks(self.runner, token_ids[:C], [first[C:] for first, _ in firsts])
@@ -239,7 +244,8 @@ class Engine:
             key = self.keys.chunk_key(ids, context)
             if key not in self.store and key not in todo:
                 todo[key] = ids
-        if seg.separators and seg.exact_end > 0:
+        # The prefix is computed only when some of its blocks are not stored yet.
+        if seg.separators and seg.exact_end > 0 and self.blocks_missing(token_ids, seg, seg.exact_end):
             exact = token_ids[: seg.exact_end]
             cache = self.runner.new_cache(len(exact))
             self.runner.forward(torch.tensor(exact), torch.arange(len(exact)), cache)
