@@ -71,4 +71,4 @@ def test_the_loading_controller_counts_only_the_chunks_it_reads(tmp_path):
     engine.store.tier("disk").meter.rate, ctl.compute.rate = 1.0, 1e6  # reading: never worth it
     plan = engine.plan(prompt(cs[::-1]), "blend")
     _, d = ctl.decide(plan, engine.blend_cfg)
-    assert d.dropped == 2 and [c.tier for c in plan.chunks] == ["disk"] + ["disk: recomputed"] * 2
+    assert d.dropped == 2 and [c.tier for c in plan.chunks] == ["prefix"] + ["disk: recomputed"] * 2

@@ -46,7 +46,8 @@ def test_chunks_precompute_list_hit_and_delete(server):
     assert hit["chunk_hits"] == 2 and hit["chunk_misses"] == 0 and hit["reused_tokens"] > 0
     assert c.delete(f"/v1/chunks/{keys[0]}", params={"namespace": "kb"}).json() == {"key": keys[0], "deleted": True}
     assert_error(c.delete(f"/v1/chunks/{keys[0]}", params={"namespace": "kb"}), 404, "key")
-    after = complete(c, prompt="Where is Marrowick?", documents=DOCS, namespace="kb").json()["kvblend"]
+    # Second in the prompt: the first chunk comes exact from the prefix cache, never looked up.
+    after = complete(c, prompt="Where is Marrowick?", documents=DOCS[::-1], namespace="kb").json()["kvblend"]
     assert after["chunk_hits"] == 1 and after["chunk_misses"] == 1
     assert [d["key"] for d in c.get("/v1/chunks", params={"namespace": "kb"}).json()["data"]] == [keys[1]]
 

@@ -78,13 +78,13 @@ def test_put_precomputes_documents_into_the_disk_tier(tmp_path, capsys):
     assert main(["store", "verify", "--local-disk", str(kv)]) == 0
     out = capsys.readouterr().out
     assert "0 bad" in out and int(out.split(" good")[0].split()[-1]) >= 3  # 2 chunks + prefix blocks
-    # A request for those documents now reads them from disk.
+    # A request for those documents now reads them from disk (the first as exact prefix blocks).
     from kvblend.api import LLM, SamplingParams
 
     llm = LLM(local_disk=str(kv), local_cpu=False)
     out = llm.generate("Where does the Tesk rise?", SamplingParams(max_tokens=2),
                        documents=[p.read_text() for p in docs])[0]
-    assert out.metrics.chunk_tiers == ["disk", "disk"]
+    assert out.metrics.chunk_tiers == ["prefix", "disk"] and out.metrics.prefix_hit_tokens > 0
 
 
 @pytest.mark.parametrize("yaml_text, field, value", [

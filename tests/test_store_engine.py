@@ -125,13 +125,21 @@ def test_layerwise_off_loads_inline():
     assert engine.prefetch_depth == 0
 
 
-def test_generate_reports_tiers_and_stores_misses_behind(tmp_path):
+def test_generate_reports_tiers_and_stores_misses_behind(tmp_path, monkeypatch):
     engine = make_engine(disk=tmp_path, memory=False)
     first = engine.generate(ASKED, SamplingParams(max_tokens=2))
     assert first.metrics.chunk_tiers == ["miss"] * 4
     engine.store.flush()
-    second = engine.generate(ASKED, SamplingParams(max_tokens=2))
-    assert second.metrics.chunk_tiers == ["disk"] * 4 and second.metrics.bad_entries == 0
+    moved = engine.generate(STORED, SamplingParams(max_tokens=2))
+    assert moved.metrics.chunk_tiers == ["disk"] * 4 and moved.metrics.bad_entries == 0
+    # Asked again, the prompt comes exact from the prefix cache: its chunks are not even looked up.
+    chunk_keys = {c.key for c in engine.plan(STORED, "blend").chunks}
+    looked_up, get = [], engine.store.get
+    monkeypatch.setattr(engine.store, "get", lambda key, *a, **k: looked_up.append(key) or get(key, *a, **k))
+    again = engine.generate(ASKED, SamplingParams(max_tokens=2))
+    assert again.metrics.chunk_tiers == ["prefix"] * 4 and again.metrics.prefix_hit_tokens == len(ASKED) - 1
+    assert looked_up and not chunk_keys & set(looked_up)
+    assert again.token_ids == first.token_ids
     engine.close()
 
 
@@ -256,7 +264,7 @@ def test_killing_redis_mid_run_loses_no_request(redis_server, monkeypatch):
     try:
         engine.generate(ASKED, params)  # misses, stored behind
         engine.store.flush()
-        assert engine.generate(ASKED, params).metrics.chunk_tiers == ["redis"] * 4
+        assert engine.generate(STORED, params).metrics.chunk_tiers == ["redis"] * 4  # moved: read
     finally:
         back.kill()
 

@@ -90,7 +90,7 @@ class PrefillStats:
     load_wait_s: float = 0.0  # time the layers waited for stored KV to be read and re-encoded
     compute_s: float = 0.0  # time in the layers, waits excluded: what the loading controller measures
     controller: dict | None = None  # the loading controller's decision, where it ran
-    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: memory, disk, redis or miss
+    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: prefix, memory, disk, redis or miss
     bad_entries: int = 0  # stored entries found bad during this request (discarded, recomputed)
     selected_positions: list[int] = field(default_factory=list)  # reused rows chosen for recompute
     recomputed_positions: list[int] = field(default_factory=list)  # every row computed to the end

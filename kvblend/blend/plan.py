@@ -22,9 +22,12 @@ class ChunkRef:
     key: str
     kv: ChunkKV | StoredEntry | None  # None: a miss, computed in the request and stored after it
     note: str | None = None  # why a stored chunk is computed anyway (the loading controller)
+    exact: bool = False  # inside the prefix hit: its rows come exact, its stored KV is never read
 
     @property
     def tier(self) -> str:
+        if self.exact:
+            return "prefix"
         return self.kv.tier if self.kv is not None else (self.note or "miss")
 
 
@@ -57,17 +60,16 @@ class Plan:
         return mask
 
     def read_chunks(self) -> list[ChunkRef]:
-        """Hit chunks whose KV is read: those with rows past the exact prefix (a first chunk the
-        prefix cache serves exact is a hit, but its stored KV is never read)."""
-        return [c for c in self.chunks if c.kv is not None and c.span[1] > self.prefix_hit]
+        """Hit chunks whose stored KV is read (a chunk inside the prefix hit is a hit, but exact)."""
+        return [c for c in self.chunks if c.kv is not None]
 
     @property
     def hits(self) -> int:
-        return sum(c.kv is not None for c in self.chunks)
+        return sum(c.kv is not None or c.exact for c in self.chunks)
 
     @property
     def misses(self) -> list[ChunkRef]:
-        return [c for c in self.chunks if c.kv is None]
+        return [c for c in self.chunks if c.kv is None and not c.exact]
 
 
 def block_bounds(seg: Segments, block: int, limit: int) -> list[Span]:
@@ -139,5 +141,8 @@ def make_plan(token_ids: list[int], seg: Segments, keys: KeyScheme, store, use_p
         context = keys.context_ids(token_ids, seg)
         for span in seg.chunks:
             key = keys.chunk_key(token_ids[span[0]:span[1]], context)
-            plan.chunks.append(ChunkRef(span, key, store.get(key)))  # a miss doesn't stop lookup
+            if span[1] <= plan.prefix_hit:  # looking it up would only cost a read and a promotion
+                plan.chunks.append(ChunkRef(span, key, None, exact=True))
+            else:
+                plan.chunks.append(ChunkRef(span, key, store.get(key)))  # a miss doesn't stop lookup
     return plan

@@ -53,7 +53,7 @@ class RequestMetrics:
     compute_frac: float = 1.0
     selected_positions: list[int] = field(default_factory=list)
     load_wait_s: float = 0.0  # time compute waited for stored KV
-    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: memory, disk, redis or miss
+    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: prefix, memory, disk, redis or miss
     bad_entries: int = 0  # bad stored entries met (discarded and recomputed)
     controller: dict | None = None  # the loading controller's decision (ratio, chunks dropped, why)
 
