@@ -126,7 +126,7 @@ class Settings(BaseSettings):
     neighbour_index: str | None = None
     # Precompute also stores each chunk exact as it stands first in a prompt (right after the
     # prefix) in the prefix cache, so a prompt's first chunk is never stale: one more encode per
-    # chunk and twice its storage (README, "Closing the gap").
+    # chunk precomputed after a neighbour, and twice its storage (README, "Closing the gap").
     exact_first_chunk: bool = True
     layerwise: bool = Field(default=True, validation_alias=_env("layerwise", "LMCACHE_USE_LAYERWISE"))
 

@@ -5,6 +5,7 @@ import torch
 from test_blend_invariants import PREFIX, SEP, chunks, make_engine, prefill, prompt
 
 from kvblend.blend.controller import LoadingController
+from kvblend.blend.encode import encode_chunks
 
 
 @pytest.mark.parametrize("neighbours", [True, False])
@@ -72,3 +73,20 @@ def test_the_loading_controller_counts_only_the_chunks_it_reads(tmp_path):
     plan = engine.plan(prompt(cs[::-1]), "blend")
     _, d = ctl.decide(plan, engine.blend_cfg)
     assert d.dropped == 2 and [c.tier for c in plan.chunks] == ["prefix"] + ["disk: recomputed"] * 2
+
+
+def test_a_chunk_with_no_neighbour_is_encoded_once_for_both_stores(monkeypatch):
+    """Its chunk-store KV (after the prefix) is the first rows of its first-chunk encoding."""
+    cs = chunks(3, seed=17)
+    engine = make_engine(chunk_context="prefix")
+    inputs, forward = [], engine.runner.forward
+    monkeypatch.setattr(engine.runner, "forward", lambda ids, *a, **k: inputs.append(ids.tolist()) or forward(ids, *a, **k))
+    ids = prompt(cs)
+    assert engine.precompute(ids) == 3
+    assert [sum(x[:len(c)] == c for x in inputs) for c in cs] == [1, 1, 1]
+    context = ids[: engine.segments(ids).exact_end]
+    for c, alone in zip(cs, encode_chunks(engine.runner, context, cs)):
+        stored = engine.store.get(engine.keys.chunk_key(c, context))
+        torch.testing.assert_close(stored.k, alone.k, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(stored.v, alone.v, atol=1e-5, rtol=1e-5)
+        assert stored.positions.tolist() == alone.positions.tolist()

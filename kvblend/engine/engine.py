@@ -220,7 +220,12 @@ class Engine:
         """Each chunk's exact KV as it stands first in a prompt with this prefix (right after it,
         with the separator that follows), as prefix-cache blocks: a prompt's first chunk is then
         read exact, never stale, and blend spends its recompute on the others. Returns chunks stored."""
-        C = seg.exact_end
+        return len(self._store_firsts(token_ids, seg))
+
+    def _store_firsts(self, token_ids: list[int], seg: Segments) -> dict[tuple[int, ...], ChunkKV]:
+        """store_first_chunks; returns the KV it encoded (each chunk's rows, then the separator's)
+        by chunk ids."""
+        C, n_sep = seg.exact_end, len(self.sep_ids)
         todo = {}  # first prompt's ids -> (them, their segments)
         for a, b in seg.chunks:
             first = token_ids[:C] + token_ids[a:b] + self.sep_ids
@@ -231,7 +236,7 @@ class Engine:
         encoded = encode_chunks(self.runner, token_ids[:C], [first[C:] for first, _ in firsts])
         for (first, first_seg), kv in zip(firsts, encoded):
             self.store_prefix(first, first_seg, kv.k, kv.v, len(first), start=C)
-        return len(firsts)
+        return {tuple(first[C:len(first) - n_sep]): kv for (first, _), kv in zip(firsts, encoded)}
 
     def precompute(self, token_ids: list[int], seg: Segments | None = None) -> int:
         """Compute and store the prefix segment and every chunk of a prompt that is not stored
@@ -250,13 +255,27 @@ class Engine:
             cache = self.runner.new_cache(len(exact))
             self.runner.forward(torch.tensor(exact), torch.arange(len(exact)), cache)
             self.store_prefix(token_ids, seg, cache.k, cache.v, len(exact))
-        chunks = list(todo.values())
-        leads = [self.keys.lead_ids(ids) for ids in chunks]
-        for key, kv in zip(todo, encode_chunks(self.runner, context, chunks, leads)):
-            self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
+        firsts = {}
         if self.settings.exact_first_chunk and seg.separators and seg.exact_end > 0:
-            self.store_first_chunks(token_ids, seg)
+            firsts = self._store_firsts(token_ids, seg)
+        for key, kv in self._encode(todo, context, firsts).items():
+            self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
         return len(todo)
+
+    def _encode(self, todo: dict[str, list[int]], context: list[int],
+                firsts: dict[tuple[int, ...], ChunkKV]) -> dict[str, ChunkKV]:
+        """Each chunk's KV by key. A chunk precomputed after the prefix alone (no neighbour) has the
+        very rows its first-chunk encoding began with: they are cut from it, not encoded again."""
+        leads = {key: self.keys.lead_ids(ids) for key, ids in todo.items()}
+        out = {}
+        for key, ids in todo.items():
+            kv = firsts.get(tuple(ids)) if self.keys.chunk_context == "prefix" and not leads[key] else None
+            if kv is not None:
+                n = len(ids)
+                out[key] = ChunkKV(kv.k[:, :, :n].clone(), kv.v[:, :, :n].clone(), kv.positions[:n].clone())
+        rest = [key for key in todo if key not in out]
+        out.update(zip(rest, encode_chunks(self.runner, context, [todo[k] for k in rest], [leads[k] for k in rest])))
+        return out
 
     def store_after(self, token_ids: list[int], plan: Plan, out: PrefillOutput, mode: str) -> None:
         """Keep what this request computed exactly, and the chunks it missed (standalone)."""
