@@ -192,7 +192,7 @@ def cmd_serve(args) -> int:
     uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level="info")
     return 0
 def cmd_store(args) -> int:
-    from .store import commands
+    from . import cli_store as commands
 
     if args.store_command == "put":
         return commands.cmd_put(_settings(args), args.files, args.data, args.limit)
