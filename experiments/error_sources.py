@@ -17,7 +17,7 @@ prefix alone, the first chunk stale too), in a second store:
   neighbour-context chunks).
 Teacher-forced against full's greedy answer (DESIGN section 5):
 
-    python benchmarks/error_sources.py --data ../shared/data/musique_s.dev.json --offset 30 --limit 4
+    python experiments/error_sources.py --data ../shared/data/musique_s.dev.json --offset 30 --limit 4
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +38,9 @@ from kvblend.blend.select import attention_mass
 from kvblend.engine.engine import Engine
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
-from dev_records import add_record_flags, open_records  # this script's folder is on sys.path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records, variants
+from dev_records import add_record_flags, open_records  # noqa: E402
 
 FORCED: dict = {}  # "scores": [T] tensor ranking the reused tokens, while a forced variant runs
 PROBED: dict = {}  # "attention": the probe's attention mass of the last blend prefill

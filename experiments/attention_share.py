@@ -2,7 +2,7 @@
 attention calls, and the matmul throughput of bf16 and fp32 (why 5x over transformers' fp32 is out
 of reach without AMX; README, "Prefill throughput").
 
-    python benchmarks/attention_share.py --length 4096
+    python experiments/attention_share.py --length 4096
 """
 
 from __future__ import annotations
