@@ -2,7 +2,7 @@
 
 Teacher-forced fidelity only (kl_answer, top1_agree over 16 answer positions of full prefill's
 greedy answer; DESIGN section 5), which is what separates the variants, at ratio 0.15, on records
-the README's eval does not use (it takes the first 30):
+the held-out tables do not use (they take the first 30):
 
     python experiments/choose_defaults.py --data ../shared/data/musique_s.dev.json --offset 30 --limit 16
 """

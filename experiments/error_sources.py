@@ -12,7 +12,7 @@ Rankings forced into the recompute set at each ratio, all else equal (check laye
 Oracles read full prefill's own KV, so no real request can use them: they bound what a better
 static ranking could buy. Earlier defaults run beside them on plain chunks (precomputed after the
 prefix alone, the first chunk stale too), in a second store:
-- `issue 9's default`: the selector with exact attention, as when issue 9 was filed;
+- `plain chunks, exact attention`: the selector without damping, on plain chunks;
 - `plain chunks, damped`: the same with that model's plain-chunk damping (the default before
   neighbour-context chunks).
 Teacher-forced against full's greedy answer (DESIGN section 5):
@@ -162,7 +162,7 @@ def main() -> None:
                         float(rel[a:b].mean()))
                 margin_kl += list(zip(answer_margin(ref).tolist(), kl.tolist()))
             score(f"default, exact attention {r:g}", "blend", replace(cfg, ratios=[r], stale_key_scale=1.0))
-            score(f"issue 9's default {r:g}", "blend", replace(old.blend_cfg, ratios=[r], stale_key_scale=1.0), by=old)
+            score(f"plain chunks, exact attention {r:g}", "blend", replace(old.blend_cfg, ratios=[r], stale_key_scale=1.0), by=old)
             score(f"plain chunks, damped {r:g}", "blend", replace(old.blend_cfg, ratios=[r]), by=old)
             score(f"plain HKVD {r:g}", "blend", replace(plain, ratios=[r]))
             for name, ranking in rankings.items():
