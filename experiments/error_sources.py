@@ -15,7 +15,7 @@ prefix alone, the first chunk stale too), in a second store:
 - `plain chunks, exact attention`: the selector without damping, on plain chunks;
 - `plain chunks, damped`: the same with that model's plain-chunk damping (the default before
   neighbour-context chunks).
-Teacher-forced against full's greedy answer (DESIGN section 5):
+Teacher-forced against full's greedy answer (docs/results.md):
 
     python experiments/error_sources.py --data ../shared/data/musique_s.dev.json --offset 30 --limit 4
 """

@@ -2,7 +2,7 @@
 
 Each variant is a set of BlendConfig fields (`ratios`, `stale_key_scale`, `deviation`, ...); full
 prefill and its greedy answer are computed once per record, and every variant is scored on the
-same 16 answer positions (DESIGN section 5). Choose settings here on records the held-out tables
+same 16 answer positions (docs/results.md). Choose settings here on records the held-out tables
 do not use (they take the first 30), e.g.:
 
     python experiments/sweep_blend.py --data ../shared/data/hotpotqa_s.dev.json --offset 30 --limit 30 \\

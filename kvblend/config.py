@@ -83,7 +83,7 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(default=None, gt=0)
     seed: int = Field(default=0, ge=0)
 
-    # Blending (DESIGN.md section 1).
+    # Blending (docs/architecture.md#how-a-request-walks-through-them).
     mode: Literal["full", "prefix", "reuse", "blend"] = Field(
         default="blend", validation_alias=_env("mode", "LMCACHE_ENABLE_BLENDING")
     )
@@ -130,7 +130,7 @@ class Settings(BaseSettings):
     exact_first_chunk: bool = True
     layerwise: bool = Field(default=True, validation_alias=_env("layerwise", "LMCACHE_USE_LAYERWISE"))
 
-    # Storage (DESIGN.md section 2).
+    # Storage (docs/storage.md).
     namespace: str = Field(default="default", min_length=1)
     chunk_size: int = Field(default=256, gt=0, validation_alias=_env("chunk_size", "LMCACHE_CHUNK_SIZE"))
     local_cpu: bool = Field(default=True, validation_alias=_env("local_cpu", "LMCACHE_LOCAL_CPU"))

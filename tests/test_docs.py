@@ -216,3 +216,15 @@ def test_docs_links_resolve():
             if not md.is_file() or anchor not in _anchors(md):
                 broken.append(f"{src.relative_to(ROOT)}: {target}#{anchor}")
     assert not broken, "\n".join(broken)
+
+
+@pytest.mark.real_model
+def test_readme_python_quick_start_runs_as_written(capsys):
+    """The README's Python block on the default model, exactly as a reader would paste it."""
+    blocks = re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), re.S)
+    quick_start = [b for b in blocks if "from kvblend import" in b]
+    assert len(quick_start) == 1
+    exec(compile(quick_start[0], "README.md", "exec"), {})
+    printed = capsys.readouterr().out.splitlines()
+    # Stored ahead: the first chunk comes exact from the prefix cache, the other from memory.
+    assert printed[-1].endswith("['prefix', 'memory']"), printed
