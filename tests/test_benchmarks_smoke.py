@@ -109,3 +109,10 @@ def test_results_renderer_rebuilds_the_marked_tables_and_the_plots(tmp_path, tin
     assert outside == [part.split("<!-- results:")[0] for part in original.split(":end -->")]
     for png in ("frontier.png", "blend_phases.png", "ttft_vs_length.png"):
         assert (docs / "img" / png).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "experiments").glob("*.py")))
+def test_experiment_scripts_find_their_imports(script, tmp_path):
+    """The research scripts are not run here (they need the evaluation data and minutes each), but
+    each must still import what it uses, benchmarks/ helpers included, from any directory."""
+    assert "usage:" in run([str(ROOT / "experiments" / script), "--help"], tmp_path)
