@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvblend-installed
 
-.PHONY: setup demo test bench eval models redis-server
+.PHONY: setup demo test bench eval results models redis-server
 
 setup: $(STAMP) redis-server
 
@@ -49,3 +49,22 @@ bench: setup
 
 eval: setup
 	$(VENV)/bin/kvblend eval --data ../shared/data/musique_s.dev.json --limit 30 --modes reuse,blend --ratios 0.05,0.15,0.3,1.0 --out results/musique30
+
+# docs/results.md's tables and docs/img/*.png, rebuilt from fresh runs on this machine: the held-out
+# evals (records 0-29 of MuSiQue and HotpotQA, both shipped models, the default engine at the default
+# ratio and one higher), where blend's time goes, and full prefill against prompt length.
+DATA ?= ../shared/data
+RESULTS_LIMIT ?= 30
+RESULTS_EVAL = $(VENV)/bin/kvblend eval --limit $(RESULTS_LIMIT) --modes prefix,reuse,blend --ratios 0.08,0.3
+
+results: setup
+	$(RESULTS_EVAL) --data $(DATA)/musique_s.dev.json --out results/eval/smollm2-musique
+	$(RESULTS_EVAL) --data $(DATA)/hotpotqa_s.dev.json --out results/eval/smollm2-hotpotqa
+	$(RESULTS_EVAL) --model gemma3-270m --data $(DATA)/musique_s.dev.json --out results/eval/gemma3-musique
+	$(RESULTS_EVAL) --model gemma3-270m --data $(DATA)/hotpotqa_s.dev.json --out results/eval/gemma3-hotpotqa
+	$(PY) benchmarks/blend_phases.py --data $(DATA)/musique_s.dev.json --limit 1 --repeats 1 \
+		--ratios 0.08,0.3 --out results/phases/musique.json
+	$(PY) benchmarks/blend_phases.py --data $(DATA)/hotpotqa_s.dev.json --limit 3 --repeats 1 \
+		--ratios 0.08,0.3 --out results/phases/hotpotqa.json
+	$(PY) benchmarks/prefill_bench.py --lengths 1024,2048,4096,8192 --out results/prefill_bench.json
+	$(PY) benchmarks/results.py --results results --docs docs

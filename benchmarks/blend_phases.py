@@ -34,7 +34,7 @@ from kvblend.eval.harness import prompt_ids
 from kvblend.model import runner as runner_mod
 from kvblend.model.loader import load_model
 from flops import work_frac  # this script's folder is on sys.path
-from sweep_blend import parse_grid
+from variants import parse_grid
 
 
 def cpu_name() -> str:

@@ -1,5 +1,5 @@
 """What the quality benchmarks share: which records they score (a slice of a dataset, by default
-past the first 30 that the README's held-out tables use) and the engine that scores them."""
+past the first 30 that the held-out tables of docs/results.md use) and the engine that scores them."""
 
 from __future__ import annotations
 

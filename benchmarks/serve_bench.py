@@ -91,13 +91,20 @@ def percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, round(q * (len(values) - 1)))]
 
 
+def clear_store(engine: Engine) -> None:
+    """Each mode starts cold: no chunk KV and no prefix blocks from the mode before."""
+    for tier in engine.store.tiers:
+        for key in tier.keys():
+            tier.delete(key)
+
+
 def rag_load(engine: Engine, pool: list[str], questions: list[str], args) -> list[dict]:
     rng = random.Random(1)
     bodies = [{"model": MODEL, "prompt": questions[i % len(questions)], "max_tokens": args.max_tokens,
                "temperature": 0, "documents": rng.sample(pool, args.docs_per_prompt)} for i in range(args.requests)]
     rows = []
     for mode in ("full", "prefix", "blend"):
-        engine.store.clear()
+        clear_store(engine)
         with serve(engine, args.concurrency) as url:
             if mode == "blend":
                 for i in range(0, len(pool), 8):

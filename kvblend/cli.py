@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from importlib import resources
 from pathlib import Path
 
@@ -149,6 +150,7 @@ def cmd_eval(args) -> int:
     from .engine.engine import Engine
     from .eval.datasets import load_dataset
     from .eval.harness import index_dataset, run_eval
+    from .eval.machine import cpu_name
     from .eval.report import format_table, write_report
     from .model.loader import load_model
 
@@ -164,6 +166,7 @@ def cmd_eval(args) -> int:
                        tf_positions=args.tf_positions)
     results["meta"]["dataset"] = str(args.data)
     results["meta"]["records"] = f"{args.offset}-{args.offset + len(records) - 1}"
+    results["meta"].update(cpu=cpu_name(), date=time.strftime("%Y-%m-%d"))  # for the results' captions
     paths = write_report(results, Path(args.out))
     print(format_table(results["rows"]))
     print(f"\nwrote {', '.join(str(p) for p in paths.values())}")
@@ -192,7 +195,7 @@ def cmd_serve(args) -> int:
     uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level="info")
     return 0
 def cmd_store(args) -> int:
-    from .store import commands
+    from . import cli_store as commands
 
     if args.store_command == "put":
         return commands.cmd_put(_settings(args), args.files, args.data, args.limit)

@@ -83,7 +83,7 @@ class Settings(BaseSettings):
     max_model_len: int | None = Field(default=None, gt=0)
     seed: int = Field(default=0, ge=0)
 
-    # Blending (DESIGN.md section 1).
+    # Blending (docs/architecture.md#how-a-request-walks-through-them).
     mode: Literal["full", "prefix", "reuse", "blend"] = Field(
         default="blend", validation_alias=_env("mode", "LMCACHE_ENABLE_BLENDING")
     )
@@ -94,31 +94,31 @@ class Settings(BaseSettings):
         default_factory=lambda: [1], validation_alias=_env("check_layers", "LMCACHE_BLEND_CHECK_LAYERS")
     )
     recompute_ratios: Annotated[list[float], NoDecode] = Field(
-        default_factory=lambda: [0.08],  # same TTFT as plain HKVD at 0.15: README, Results
+        default_factory=lambda: [0.08],  # same TTFT as plain HKVD at 0.15: docs/experiments.md#token-selection
         validation_alias=_env("recompute_ratios", "LMCACHE_BLEND_RECOMPUTE_RATIOS", "KVBLEND_BLEND_RATIOS"),
     )
-    deviation: Literal["k", "v", "kv"] = "v"  # measured best: see README, "Choosing the defaults"
+    deviation: Literal["k", "v", "kv"] = "v"  # measured best: docs/experiments.md#token-selection
     check_layer_kv: Literal["fresh", "cached"] = "fresh"
-    weight_by_attention: bool = True  # HKVD scores times the suffix's attention: see README, "Choosing the defaults"
+    weight_by_attention: bool = True  # HKVD scores times the suffix's attention: docs/experiments.md#token-selection
     # Attention to stale (reused, not recomputed) chunk keys times this; 1.0 = exact attention.
-    # None: the value measured for the model on dev records (aliases.py; README, "Closing the gap").
+    # None: the value measured for the model on dev records (aliases.py; docs/experiments.md#stale-key-damping).
     stale_key_scale: float | None = Field(default=None, gt=0, le=1)
     probe_layers: int | None = Field(default=None, ge=1)  # layers the attention probe walks; None: all
     # Rows computed before the check: the probe's top reused rows, this many times the first
-    # check's budget (0: every row). See BlendConfig.check_candidates and README, "Where blend's time goes".
+    # check's budget (0: every row). See BlendConfig.check_candidates and docs/experiments.md#the-probe.
     check_candidates: float = Field(default=3.0, ge=0)
     # The probe computes the separators between chunks too (false: it skips them; the blend pass
-    # computes them either way). See BlendConfig.probe_separators and README, "Where blend's time goes".
+    # computes them either way). See BlendConfig.probe_separators and docs/experiments.md#the-probe.
     probe_separators: bool = False
     # The probe sums the suffix's attention from this share of the layers on (0: every layer). See
-    # BlendConfig.probe_attention_from and README, "Where blend's time goes".
+    # BlendConfig.probe_attention_from and docs/experiments.md#the-probe.
     probe_attention_from: float = Field(default=1 / 3, ge=0, lt=1)
     # The probe computes only the suffix's last this many tokens (0: all of it). See
-    # BlendConfig.probe_suffix_tokens and README, "Where blend's time goes".
+    # BlendConfig.probe_suffix_tokens and docs/experiments.md#the-probe.
     probe_suffix_tokens: int = Field(default=32, ge=0)
-    chunk_context: Literal["bare", "bos", "prefix"] = "prefix"  # measured best: see README, "Choosing the defaults"
+    chunk_context: Literal["bare", "bos", "prefix"] = "prefix"  # measured best: docs/experiments.md#chunk-context
     # When a collection is known (`kvblend store put`, `eval`, `demo`, LLM.store_documents), each of
-    # its chunks is precomputed after its most similar other chunk (README, "Closing the gap").
+    # its chunks is precomputed after its most similar other chunk (docs/experiments.md#chunk-context).
     neighbour_context: bool = True
     # Where that index is kept (JSON), so later processes look chunks up by the same neighbours.
     # None: `neighbours.json` in local_disk when there is one, else in this process only. An
@@ -126,11 +126,11 @@ class Settings(BaseSettings):
     neighbour_index: str | None = None
     # Precompute also stores each chunk exact as it stands first in a prompt (right after the
     # prefix) in the prefix cache, so a prompt's first chunk is never stale: one more encode per
-    # chunk precomputed after a neighbour, and twice its storage (README, "Closing the gap").
+    # chunk precomputed after a neighbour, and twice its storage (docs/experiments.md#chunk-context).
     exact_first_chunk: bool = True
     layerwise: bool = Field(default=True, validation_alias=_env("layerwise", "LMCACHE_USE_LAYERWISE"))
 
-    # Storage (DESIGN.md section 2).
+    # Storage (docs/storage.md).
     namespace: str = Field(default="default", min_length=1)
     chunk_size: int = Field(default=256, gt=0, validation_alias=_env("chunk_size", "LMCACHE_CHUNK_SIZE"))
     local_cpu: bool = Field(default=True, validation_alias=_env("local_cpu", "LMCACHE_LOCAL_CPU"))
@@ -148,7 +148,7 @@ class Settings(BaseSettings):
     # `layerwise`); 0 reads each layer when it is needed.
     prefetch_depth: int = Field(default=2, ge=0)
     # Store chunk KV as int8 with a float16 scale per token and head (exact prefix blocks stay
-    # exact): about a quarter of fp32's bytes; its fidelity cost is in the README.
+    # exact): about a quarter of fp32's bytes; its fidelity cost: docs/storage.md#int8.
     kv_int8: bool = False
     # Raise the recompute ratio above recompute_ratios (a floor) when reading stored KV is slower
     # than computing, from measured tier bandwidth and compute speed. Off by default: its choices

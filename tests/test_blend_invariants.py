@@ -1,4 +1,4 @@
-"""CacheBlend invariants on tiny random models of every family (DESIGN section 1)."""
+"""CacheBlend invariants on tiny random models of every family (docs/architecture.md)."""
 
 import math
 import warnings

@@ -54,7 +54,7 @@ class BlendConfig:
     probe_separators: bool = False
     # The probe sums the suffix's attention over the layers from this share of the depth on (0: all
     # of them): the first layers' attention is mostly local and positional and ranks worse. Below
-    # it the probe's rows attend as in any pass. See README, "Where blend's time goes".
+    # it the probe's rows attend as in any pass. See docs/experiments.md#the-probe.
     probe_attention_from: float = 1 / 3
     # The probe computes only the suffix's last `probe_suffix_tokens` rows (0: all of it) and hides
     # the rest of the suffix from them, as the separators: the question's end reads the passages.

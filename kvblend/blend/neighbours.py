@@ -2,7 +2,7 @@
 
 A chunk precomputed after its nearest neighbour stores KV that has already attended to related
 text, so it starts closer to the KV full prefill gives it among the chunks it is retrieved with
-(README, "Closing the gap"). Similarity is TF-IDF cosine over token ids: cheap, model-free and
+(docs/experiments.md#chunk-context). Similarity is TF-IDF cosine over token ids: cheap, model-free and
 deterministic. A chunk's neighbour is fixed when the chunk is first indexed, so keys of stored KV
 stay valid as the collection grows.
 """

@@ -2,7 +2,7 @@
 
 For each prompt: store its prefix and chunks (untimed: the steady state of a RAG server), run full
 prefill and decode its greedy answer A, then for every mode feed A teacher-forced after the mode's
-prefill KV and compare next-token distributions with full's (DESIGN section 5), and let the mode
+prefill KV and compare next-token distributions with full's (docs/results.md), and let the mode
 answer on its own. Prompts are token ids end to end; nothing is decoded and re-tokenized.
 """
 

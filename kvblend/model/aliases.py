@@ -28,7 +28,7 @@ class Alias:
     filename: str
     parts: tuple[str, ...] = field(default=())  # PyPI names of the part packages `assemble()` reads
     split: SplitGGUF | None = None  # or: part packages joined by kvblend, checked by hash
-    # Blend's stale_key_scale measured best for this model on dev records (README, "Closing the gap"),
+    # Blend's stale_key_scale measured best for this model on dev records (docs/experiments.md#stale-key-damping),
     # for chunks precomputed alone and for chunks precomputed after their neighbour.
     stale_key_scale: float = 0.7
     neighbour_stale_key_scale: float = 0.7

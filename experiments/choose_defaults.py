@@ -1,10 +1,10 @@
 """How the defaults were chosen: chunk-context mode x deviation signal x attention weighting.
 
 Teacher-forced fidelity only (kl_answer, top1_agree over 16 answer positions of full prefill's
-greedy answer; DESIGN section 5), which is what separates the variants, at ratio 0.15, on records
-the README's eval does not use (it takes the first 30):
+greedy answer; docs/results.md), which is what separates the variants, at ratio 0.15, on records
+the held-out tables do not use (they take the first 30):
 
-    python benchmarks/choose_defaults.py --data ../shared/data/musique_s.dev.json --offset 30 --limit 16
+    python experiments/choose_defaults.py --data ../shared/data/musique_s.dev.json --offset 30 --limit 16
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ the teacher-forced answer positions whose argmax differs from full's, with full'
 probability and its margin over the runner-up: if the disagreements sit where full is nearly
 tied, more recompute buys little top-1 there. Same positions and metric as `kvblend eval`.
 
-    .venv/bin/python benchmarks/disagreements.py --data ../shared/data/musique_s.dev.json \\
+    .venv/bin/python experiments/disagreements.py --data ../shared/data/musique_s.dev.json \\
         --offset 30 --limit 6 --ratios 0.15,0.3,0.5
 """
 
@@ -14,13 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
 
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
-from dev_records import add_record_flags, open_records  # this script's folder is on sys.path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records, variants
+from dev_records import add_record_flags, open_records  # noqa: E402
 
 NEAR_TIE = 0.1  # full's top-1 probability minus its runner-up's
 

@@ -1,5 +1,8 @@
 """`kvblend store put|ls|evict|verify`: fill, inspect and clean the persistent tiers (local disk,
-Redis) that the settings name. Only `put` loads the model; the others read entry headers."""
+Redis) that the settings name. Only `put` loads the model; the others read entry headers.
+
+It sits beside cli.py, above every layer it uses: `put` runs the engine through the API and reads
+datasets through the eval, which both sit above the store."""
 
 from __future__ import annotations
 
@@ -10,9 +13,9 @@ from rich.console import Console
 from rich.table import Table
 from tqdm import tqdm
 
-from ..config import Settings
-from .entry_format import BadEntry
-from .tiered import TieredStore, build_store
+from .config import Settings
+from .store.entry_format import BadEntry
+from .store.tiered import TieredStore, build_store
 
 
 def persistent_store(settings: Settings) -> TieredStore:
@@ -32,9 +35,9 @@ def _tiers(store: TieredStore, name: str | None):
 
 
 def cmd_put(settings: Settings, files: list[str], data: str | None, limit: int | None) -> int:
-    from ..api import LLM
-    from ..eval.datasets import load_dataset
-    from ..eval.harness import prompt_ids
+    from .api import LLM
+    from .eval.datasets import load_dataset
+    from .eval.harness import prompt_ids
 
     if not files and not data:
         raise ValueError("give text files (one document each) and/or --data DATASET")

@@ -9,7 +9,7 @@ ratio, the neighbour chunks at each damping scale. `--other-records` indexes eve
 scored one, so that no neighbour comes from the prompt itself: the worst case for a neighbour's
 text leaking into a chunk's KV.
 
-    python benchmarks/neighbour_context.py --data ../shared/data/hotpotqa_s.dev.json --offset 46 \
+    python experiments/neighbour_context.py --data ../shared/data/hotpotqa_s.dev.json --offset 46 \
         --limit 20 --dtype float32 --ratios 0.08,0.15 --scales 0.35,0.5
 """
 
@@ -18,7 +18,9 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -29,7 +31,9 @@ from kvblend.eval.datasets import load_dataset
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
 from kvblend.model.loader import load_model
-from dev_records import add_record_flags  # this script's folder is on sys.path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records, variants
+from dev_records import add_record_flags  # noqa: E402
 
 
 def outside_index(engine: Engine, others: list[list[int]], own: list[list[int]]) -> NeighbourIndex:

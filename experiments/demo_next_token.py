@@ -2,7 +2,7 @@
 tokens beside reuse's and blend's at several ratios, and which chunks the blend recomputed. For
 reading one drifting answer (the demo's Marrowick question goes wrong as the ratio rises):
 
-    .venv/bin/python benchmarks/demo_next_token.py --question 0 --start "The" \\
+    .venv/bin/python experiments/demo_next_token.py --question 0 --start "The" \\
         --ratios 0,0.08,0.15,0.3,0.6 --grid stale_key_scale=0.35,1
 """
 
@@ -10,13 +10,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import replace
 from importlib import resources
+from pathlib import Path
 
 import torch
 
 from kvblend.api import LLM
-from sweep_blend import parse_grid  # this script's folder is on sys.path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records, variants
+from variants import parse_grid  # noqa: E402
 
 
 def main() -> None:

@@ -3,7 +3,7 @@ attention-with-mass saves, on random tensors of the default model's shape (9 que
 heads of 64) over a MuSiQue-length prompt, with the KV warm in cache and read cold as a request's
 layers are. CPU seconds, best of repeats:
 
-    OMP_NUM_THREADS=1 python benchmarks/attention_kernels.py --keys 6300 --rows 100
+    OMP_NUM_THREADS=1 python experiments/attention_kernels.py --keys 6300 --rows 100
 """
 
 from __future__ import annotations

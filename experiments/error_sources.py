@@ -12,12 +12,12 @@ Rankings forced into the recompute set at each ratio, all else equal (check laye
 Oracles read full prefill's own KV, so no real request can use them: they bound what a better
 static ranking could buy. Earlier defaults run beside them on plain chunks (precomputed after the
 prefix alone, the first chunk stale too), in a second store:
-- `issue 9's default`: the selector with exact attention, as when issue 9 was filed;
+- `plain chunks, exact attention`: the selector without damping, on plain chunks;
 - `plain chunks, damped`: the same with that model's plain-chunk damping (the default before
   neighbour-context chunks).
-Teacher-forced against full's greedy answer (DESIGN section 5):
+Teacher-forced against full's greedy answer (docs/results.md):
 
-    python benchmarks/error_sources.py --data ../shared/data/musique_s.dev.json --offset 30 --limit 4
+    python experiments/error_sources.py --data ../shared/data/musique_s.dev.json --offset 30 --limit 4
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -37,7 +38,9 @@ from kvblend.blend.select import attention_mass
 from kvblend.engine.engine import Engine
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
-from dev_records import add_record_flags, open_records  # this script's folder is on sys.path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records, variants
+from dev_records import add_record_flags, open_records  # noqa: E402
 
 FORCED: dict = {}  # "scores": [T] tensor ranking the reused tokens, while a forced variant runs
 PROBED: dict = {}  # "attention": the probe's attention mass of the last blend prefill
@@ -159,7 +162,7 @@ def main() -> None:
                         float(rel[a:b].mean()))
                 margin_kl += list(zip(answer_margin(ref).tolist(), kl.tolist()))
             score(f"default, exact attention {r:g}", "blend", replace(cfg, ratios=[r], stale_key_scale=1.0))
-            score(f"issue 9's default {r:g}", "blend", replace(old.blend_cfg, ratios=[r], stale_key_scale=1.0), by=old)
+            score(f"plain chunks, exact attention {r:g}", "blend", replace(old.blend_cfg, ratios=[r], stale_key_scale=1.0), by=old)
             score(f"plain chunks, damped {r:g}", "blend", replace(old.blend_cfg, ratios=[r]), by=old)
             score(f"plain HKVD {r:g}", "blend", replace(plain, ratios=[r]))
             for name, ranking in rankings.items():

@@ -1,8 +1,8 @@
 """Where a full prefill's time goes on this CPU: the runner at 4k tokens timed with and without its
 attention calls, and the matmul throughput of bf16 and fp32 (why 5x over transformers' fp32 is out
-of reach without AMX; README, "Prefill throughput").
+of reach without AMX; docs/experiments.md#kernels-and-throughput-probes).
 
-    python benchmarks/attention_share.py --length 4096
+    python experiments/attention_share.py --length 4096
 """
 
 from __future__ import annotations

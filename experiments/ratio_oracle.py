@@ -5,7 +5,7 @@ ratio per prompt, minimising mean KL at no more mean compute than one fixed rati
 No real request knows its KL in advance; this bounds what a run-time signal (the probe's
 attention, the check's deviations) could buy by spending recompute where it pays most.
 
-    .venv/bin/python benchmarks/ratio_oracle.py results/musique0-29-v19/results.json
+    .venv/bin/python experiments/ratio_oracle.py results/musique0-29-v19/results.json
 """
 
 from __future__ import annotations

@@ -2,10 +2,10 @@
 
 Each variant is a set of BlendConfig fields (`ratios`, `stale_key_scale`, `deviation`, ...); full
 prefill and its greedy answer are computed once per record, and every variant is scored on the
-same 16 answer positions (DESIGN section 5). Choose settings here on records the README's eval
-does not use (it takes the first 30), e.g.:
+same 16 answer positions (docs/results.md). Choose settings here on records the held-out tables
+do not use (they take the first 30), e.g.:
 
-    python benchmarks/sweep_blend.py --data ../shared/data/hotpotqa_s.dev.json --offset 30 --limit 30 \\
+    python experiments/sweep_blend.py --data ../shared/data/hotpotqa_s.dev.json --offset 30 --limit 30 \\
         --ratios 0.08,0.15 --grid stale_key_scale=1,0.65,0.5,0.35
 
 `--variant` names whole variants instead of a product: --variant "" --variant "deviation=k check_layers=1+6".
@@ -14,9 +14,9 @@ does not use (it takes the first 30), e.g.:
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,35 +24,11 @@ from tqdm import tqdm
 
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
-from dev_records import add_record_flags, open_records  # this script's folder is on sys.path
-from flops import work_frac
 
-
-def parse_grid(items: list[str]) -> list[dict]:
-    """["stale_key_scale=1,0.5", "deviation=k,v"] -> every combination, as BlendConfig fields.
-    List fields take one item or several joined by "+": check_layers=0,1+6."""
-    axes = []
-    for item in items:
-        name, _, values = item.partition("=")
-        as_list = name in ("check_layers", "ratios")
-        parse = (lambda v: _listed(_value(v))) if as_list else str if name == "deviation" else _value
-        axes.append([(name, parse(v)) for v in values.split(",")])
-    return [dict(combo) for combo in itertools.product(*axes)]
-
-
-def _listed(value):
-    return value if isinstance(value, list) else [value]
-
-
-def _value(text: str):
-    if "+" in text:  # a list field: check_layers=1+6
-        return [_value(t) for t in text.split("+")]
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return {"true": True, "false": False, "none": None}.get(text.lower(), text)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records, flops, variants
+from dev_records import add_record_flags, open_records  # noqa: E402
+from flops import work_frac  # noqa: E402
+from variants import parse_grid  # noqa: E402
 
 
 def main() -> None:

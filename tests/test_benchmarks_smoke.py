@@ -1,0 +1,118 @@
+"""Every benchmark the docs cite runs as written, on the default model with tiny inputs (two demo
+questions as a dataset, a few dozen tokens, one repeat), and writes what the docs say it writes.
+Nothing here reads its timings: they only have to be there."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from importlib import resources
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.real_model
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tmp_path_factory) -> Path:
+    """Two demo questions in the CacheBlend list format that `--data` reads."""
+    demo = json.loads(resources.files("kvblend.demo").joinpath("passages.json").read_text())
+    records = [{"question": q["question"], "answers": [q["answer"]],
+                "ctxs": [{"title": "", "text": demo["passages"][i]} for i in q["passages"]]}
+               for q in demo["questions"][:2]]
+    path = tmp_path_factory.mktemp("data") / "tiny.json"
+    path.write_text(json.dumps(records))
+    return path
+
+
+def run(args: list[str], cwd: Path) -> str:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def bench(name: str) -> str:
+    return str(ROOT / "benchmarks" / f"{name}.py")
+
+
+def test_prefill_bench(tmp_path):
+    out = tmp_path / "prefill_bench.json"
+    run([bench("prefill_bench"), "--lengths", "48,96", "--dtype", "float32", "--out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+    assert [r["length"] for r in result["results"]] == [48, 96]
+    assert all(r["runner_s"] > 0 and r["hf_s"] > 0 for r in result["results"])
+
+
+def test_blend_phases(tmp_path, tiny_data):
+    out = tmp_path / "phases.json"
+    run([bench("blend_phases"), "--data", str(tiny_data), "--limit", "1", "--repeats", "1", "--ratios", "0.08",
+         "--dtype", "float32", "--out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+    assert [r["variant"] for r in result["rows"]] == ["full", "reuse", "blend 0.08"]
+    assert result["phases"]["blend 0.08"]["probe: qkv"] > 0 and result["phases"]["full"]["probe: qkv"] == 0
+
+
+def test_storage_bench(tmp_path, tiny_data):
+    out = tmp_path / "storage.json"
+    run([bench("storage_bench"), "--data", str(tiny_data), "--limit", "1", "--skip-full", "--dtype", "float32",
+         "--out", str(out)], tmp_path)
+    assert json.loads(out.read_text())["rows"]
+
+
+def test_tier_bandwidth(tmp_path):
+    out = tmp_path / "tiers.json"
+    run([bench("tier_bandwidth"), "--tokens", "32", "--layers", "2", "--repeats", "1", "--out", str(out)], tmp_path)
+    assert json.loads(out.read_text())["rows"]
+
+
+def test_chunk_loading(tmp_path, tiny_data):
+    printed = run([bench("chunk_loading"), "--data", str(tiny_data), "--offset", "0", "--repeats", "1",
+                   "--dtype", "float32"], tmp_path)
+    assert "into a fresh cache" in printed
+
+
+def test_serve_bench(tmp_path):
+    out = tmp_path / "serve.json"
+    run([bench("serve_bench"), "--requests", "2", "--concurrency", "2", "--streams", "2", "--decode-tokens", "2",
+         "--max-tokens", "2", "--out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+    assert [r["mode"] for r in result["rag"]] == ["full", "prefix", "blend"]
+
+
+def test_results_renderer_rebuilds_the_marked_tables_and_the_plots(tmp_path, tiny_data):
+    """`make results` in small: a tiny eval and a tiny blend_phases run, then the renderer over
+    a copy of docs/results.md. Only the marked blocks change; the plots are written."""
+    results = tmp_path / "results"
+    run(["-m", "kvblend.cli", "eval", "--data", str(tiny_data), "--limit", "1", "--modes", "reuse,blend",
+         "--ratios", "0.08,0.3", "--answer-tokens", "4", "--tf-positions", "2", "--dtype", "float32",
+         "--out", str(results / "eval" / "tiny")], tmp_path)
+    run([bench("blend_phases"), "--data", str(tiny_data), "--limit", "1", "--repeats", "1", "--ratios", "0.08",
+         "--dtype", "float32", "--out", str(results / "phases" / "tiny.json")], tmp_path)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    original = (ROOT / "docs" / "results.md").read_text()
+    (docs / "results.md").write_text(original)
+
+    run([bench("results"), "--results", str(results), "--docs", str(docs)], tmp_path)
+
+    text = (docs / "results.md").read_text()
+    heldout = text.split("<!-- results:heldout:start -->")[1].split("<!-- results:heldout:end -->")[0]
+    assert "| smollm2-135m-instruct | tiny 0-0 |" in heldout and "30%:" in heldout
+    phases = text.split("<!-- results:phases:start -->")[1].split("<!-- results:phases:end -->")[0]
+    assert "| blend 0.08 |" in phases
+    outside = [part.split("<!-- results:")[0] for part in text.split(":end -->")]
+    assert outside == [part.split("<!-- results:")[0] for part in original.split(":end -->")]
+    for png in ("frontier.png", "blend_phases.png", "ttft_vs_length.png"):
+        assert (docs / "img" / png).read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in (ROOT / "experiments").glob("*.py")))
+def test_experiment_scripts_find_their_imports(script, tmp_path):
+    """The research scripts are not run here (they need the evaluation data and minutes each), but
+    each must still import what it uses, benchmarks/ helpers included, from any directory."""
+    assert "usage:" in run([str(ROOT / "experiments" / script), "--help"], tmp_path)
