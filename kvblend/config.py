@@ -145,8 +145,10 @@ class Settings(BaseSettings):
     max_remote_size: float = Field(default=20.0, ge=0)  # GiB, shared by every process on that Redis
     remote_ttl: int | None = Field(default=None, gt=0)  # seconds a Redis entry lives; None: until evicted
     # Layers of stored KV read and re-encoded ahead of compute by a background thread (with
-    # `layerwise`); 0 reads each layer when it is needed.
-    prefetch_depth: int = Field(default=2, ge=0)
+    # `layerwise`); 0 reads each layer when it is needed. None (the default): every layer, from the
+    # moment the request is planned. Reads land straight in the request's cache, so reading far
+    # ahead costs no memory, and a slow tier's reads run on through the probe and the blend pass.
+    prefetch_depth: int | None = Field(default=None, ge=0)
     # Store chunk KV as int8 with a float16 scale per token and head (exact prefix blocks stay
     # exact): about a quarter of fp32's bytes; its fidelity cost is in the README.
     kv_int8: bool = False
