@@ -95,17 +95,22 @@ class Config:
     controller: bool = False
 
 
-def configs_for(bandwidths: list[float], former: bool, controller: bool) -> list[Config]:
+def configs_for(bandwidths: list[float], former: bool | set[str] = True, controller: bool | set[str] = True) -> list[Config]:
+    """Every tier, then the throttled disks; `former` and `controller` add those variants to every
+    tier (True) or to the ones named ("memory", "disk", "redis", or a bandwidth such as "100")."""
+    def at(which, name: str) -> bool:
+        return which if isinstance(which, bool) else name in which
+
     out = []
     for tier in ("memory", "disk", "redis"):
         out.append(Config(tier, tier))
-        if former:
+        if at(former, tier):
             out.append(Config(f"{tier}, {FORMER_DEPTH} layers ahead", tier, former=True))
     for mb in bandwidths:
         out.append(Config(f"disk at {mb:g} MB/s", "throttled", mb))
-        if former:
+        if at(former, f"{mb:g}"):
             out.append(Config(f"disk at {mb:g} MB/s, {FORMER_DEPTH} layers ahead", "throttled", mb, former=True))
-        if controller:
+        if at(controller, f"{mb:g}"):
             out.append(Config(f"disk at {mb:g} MB/s + controller", "throttled", mb, controller=True))
     return out
 
@@ -130,7 +135,7 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
 
         copies = [engines["disk"], engines["redis"]] + [engines[key] for key in engines if isinstance(key, tuple)][:1]
         runs: dict[str, list[dict]] = {c.label: [] for c in configs}
-        tokens, stored_bytes = [], []
+        tokens, stored_bytes, warm = [], [], set()
         for i, record in enumerate(tqdm(records, desc="prompts", disable=not progress)):
             ids = prompt_ids(mem, record)
             if quality:
@@ -148,8 +153,9 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
             for c in configs:
                 e = engine_of(c)
                 e.prefetch_depth = FORMER_DEPTH if c.former else e.runner.n_layers
-                if i == 0:  # warm-up: one-time costs, and the controller's first measurements
+                if i == 0 and id(e) not in warm:  # one-time costs, and the controller's first measurements
                     e.prefill(ids, "blend", REFERENCE_CAPACITY)
+                    warm.add(id(e))
                 for d in (tmp / "disk", tmp / "slow"):
                     drop_page_cache(d)
                 t0 = time.perf_counter()
@@ -250,8 +256,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--bandwidths", default="1000,300,100", help="throttled disk bandwidths, MB/s, comma-separated")
-    ap.add_argument("--no-former", action="store_true", help=f"leave out the {FORMER_DEPTH}-layers-ahead schedule")
-    ap.add_argument("--no-controller", action="store_true", help="leave out the loading controller")
+    ap.add_argument("--former-at", default="all", help=f"where to run the {FORMER_DEPTH}-layers-ahead schedule too: "
+                    "all, none, or tiers and bandwidths, comma-separated (memory,100)")
+    ap.add_argument("--controller-at", default="all", help="throttled bandwidths to run the loading controller at: "
+                    "all, none, or comma-separated")
     ap.add_argument("--no-quality", action="store_true", help="leave out full prefill and the quality columns")
     ap.add_argument("--out", default="results/storage_bench.json")
     ap.add_argument("--plot", default="results/storage_bench.png")
@@ -260,8 +268,11 @@ def main(argv: list[str] | None = None) -> None:
     base = load_settings(dtype=args.dtype)
     model = load_model(base.model, base.dtype, base.device)
     records = load_dataset(args.data, limit=args.offset + args.limit)[args.offset:]
-    configs = configs_for([float(b) for b in args.bandwidths.split(",") if b], not args.no_former,
-                          not args.no_controller)
+    def which(arg: str) -> bool | set[str]:
+        return {"all": True, "none": False}.get(arg, set(arg.split(",")))
+
+    configs = configs_for([float(b) for b in args.bandwidths.split(",") if b], which(args.former_at),
+                          which(args.controller_at))
     run(model, records, base, configs, args.out, args.plot, quality=not args.no_quality)
 
 
