@@ -152,9 +152,12 @@ class Settings(BaseSettings):
     # Store chunk KV as int8 with a float16 scale per token and head (exact prefix blocks stay
     # exact): about a quarter of fp32's bytes; its fidelity cost is in the README.
     kv_int8: bool = False
-    # Raise the recompute ratio above recompute_ratios (a floor) when reading stored KV is slower
-    # than computing, from measured tier bandwidth and compute speed. Off by default: its choices
-    # follow timings, so outputs then depend on the machine's load.
+    # Plan each request's reads against its compute (probe and blend pass, from measured tier
+    # bandwidth and compute speed): raise the recompute ratio above recompute_ratios (a floor) where
+    # the extra rows fill waits for reads, recompute chunks whose read costs more, read from the
+    # fastest tier. Off by default: its choices follow timings, so outputs then depend on the
+    # machine's load. Each decision is in the request's metrics; one that dropped no chunk replays
+    # exactly with recompute_ratios set to its ratio.
     loading_controller: bool = False
 
     def neighbour_index_path(self) -> Path | None:

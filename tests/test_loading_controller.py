@@ -66,6 +66,9 @@ def test_slow_tier_raises_the_ratio_while_the_extra_rows_fill_waits_for_reads(tm
     assert play(work(plan, engine.blend_cfg, d.ratio + 0.05, L), d.load_s, pair_s)[0] > floor_s + d.load_s
     _, out = engine.prefill(ASKED, "blend", blend_cfg=cfg)
     assert len(out.stats.selected_positions) == round(d.ratio * reused)
+    # The decision pins the output: the same ratio set by hand gives the same logits, bit for bit.
+    pinned, _, _ = disk_engine(tmp_path / "pinned", weight_by_attention=False, recompute_ratios=[d.ratio])
+    assert torch.equal(pinned.prefill(ASKED, "blend")[1].logits, out.logits)
 
 
 def test_a_full_depth_probe_waits_for_every_read_and_recompute_cannot_hide_it(tmp_path):

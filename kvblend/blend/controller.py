@@ -10,7 +10,7 @@ plays that schedule out layer by layer, from each tier's measured read bandwidth
 - which chunks to recompute instead of read: the slowest tier's first, while that makes the
   estimated time to first token shorter (reading them costs more than computing their rows);
 - the recompute ratio: raised above the configured ratio (a quality floor, never undercut) as
-  far as the estimate stays within SLACK of the floor's, i.e. while the extra rows compute in
+  far as the estimate grows by at most one layer's read, i.e. while the extra rows compute in
   time the pass would otherwise spend waiting for reads;
 - the tier to read a chunk from, when it is on several: the fastest measured (TieredStore).
 
@@ -104,8 +104,6 @@ class LoadingController:
     # A tier whose chunks are recomputed is no longer read, so no longer measured: one decision
     # in this many reads it anyway, to see whether it got faster.
     REMEASURE_EVERY = 16
-    # Recompute raised past the floor may lengthen the estimated prefill by this share at most.
-    SLACK = 0.02
 
     def __init__(self, store):
         self.store = store
