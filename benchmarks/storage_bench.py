@@ -95,19 +95,23 @@ class Config:
     controller: bool = False
 
 
-def configs_for(bandwidths: list[float], former: bool | set[str] = True, controller: bool | set[str] = True) -> list[Config]:
-    """Every tier, then the throttled disks; `former` and `controller` add those variants to every
-    tier (True) or to the ones named ("memory", "disk", "redis", or a bandwidth such as "100")."""
+def configs_for(bandwidths: list[float], former: bool | set[str] = True, controller: bool | set[str] = True,
+                plain: bool | set[str] = True) -> list[Config]:
+    """Every tier, then the throttled disks; `plain` (the default schedule), `former` and
+    `controller` run at every tier (True) or at the ones named ("memory", "disk", "redis", or a
+    bandwidth such as "100"). Memory, the yardstick, always runs."""
     def at(which, name: str) -> bool:
         return which if isinstance(which, bool) else name in which
 
     out = []
     for tier in ("memory", "disk", "redis"):
-        out.append(Config(tier, tier))
+        if tier == "memory" or at(plain, tier):
+            out.append(Config(tier, tier))
         if at(former, tier):
             out.append(Config(f"{tier}, {FORMER_DEPTH} layers ahead", tier, former=True))
     for mb in bandwidths:
-        out.append(Config(f"disk at {mb:g} MB/s", "throttled", mb))
+        if at(plain, f"{mb:g}"):
+            out.append(Config(f"disk at {mb:g} MB/s", "throttled", mb))
         if at(former, f"{mb:g}"):
             out.append(Config(f"disk at {mb:g} MB/s, {FORMER_DEPTH} layers ahead", "throttled", mb, former=True))
         if at(controller, f"{mb:g}"):
@@ -256,6 +260,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--bandwidths", default="1000,300,100", help="throttled disk bandwidths, MB/s, comma-separated")
+    ap.add_argument("--plain-at", default="all", help="tiers and bandwidths to run with the default schedule: "
+                    "all, none, or comma-separated (memory always runs)")
     ap.add_argument("--former-at", default="all", help=f"where to run the {FORMER_DEPTH}-layers-ahead schedule too: "
                     "all, none, or tiers and bandwidths, comma-separated (memory,100)")
     ap.add_argument("--controller-at", default="all", help="throttled bandwidths to run the loading controller at: "
@@ -272,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         return {"all": True, "none": False}.get(arg, set(arg.split(",")))
 
     configs = configs_for([float(b) for b in args.bandwidths.split(",") if b], which(args.former_at),
-                          which(args.controller_at))
+                          which(args.controller_at), which(args.plain_at))
     run(model, records, base, configs, args.out, args.plot, quality=not args.no_quality)
 
 
