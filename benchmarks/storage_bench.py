@@ -176,6 +176,9 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
             for e in engines.values():
                 for key in entries:
                     e.store.tiers[0].delete(key)
+            # What is measured so far, in case the run is cut short (the full file replaces it).
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps({"partial": True, "prompts_done": i + 1, "runs": runs}, indent=1))
         measured = {name: engines[name].store.tiers[0].meter.rate for name in ("disk", "redis")}
         for e in engines.values():
             e.close()
