@@ -1,13 +1,18 @@
-"""TTFT of `blend` with chunk KV read from each storage tier, with and without layerwise
-pipelining, and from a tier throttled to a set bandwidth (with and without the loading
-controller). One run, the same prompts for every configuration, interleaved per prompt so that
+"""TTFT and quality of `blend` with chunk KV read from each storage tier (memory, disk, Redis, and a
+disk throttled to set bandwidths), with the default schedule (every layer read ahead from the
+moment the request is planned), with the former one (two layers ahead), and with the loading
+controller. One run, the same prompts for every configuration, interleaved per prompt so that
 load on the machine falls on all of them alike.
 
 Each prompt's chunks are precomputed once (untimed) and copied into every tier; disk reads are
 cold (the entry files' pages are dropped from the page cache with posix_fadvise before each
-request); Redis is a redis-server on loopback that this script starts.
+request); Redis is a redis-server on loopback that this script starts. Quality is scored as
+`kvblend eval` does: full prefill's greedy answer teacher-forced into each configuration's KV,
+KL divergence and top-1 agreement over its first 16 positions.
 
     python benchmarks/storage_bench.py --data ../shared/data/musique_s.dev.json --limit 8
+
+It writes a JSON file (--out), prints a table and draws TTFT against tier bandwidth (--plot).
 """
 
 from __future__ import annotations
@@ -22,18 +27,22 @@ import subprocess
 import tempfile
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import redis
+import torch
 from tqdm import tqdm
 
-from kvblend.config import load_settings
+from kvblend.config import Settings, load_settings
 from kvblend.engine.engine import Engine
-from kvblend.engine.sampler import SamplingParams
-from kvblend.eval.datasets import load_dataset
-from kvblend.eval.harness import prompt_ids
+from kvblend.eval.datasets import RagRecord, load_dataset
+from kvblend.eval.harness import REFERENCE_CAPACITY, full_reference, prompt_ids, teacher_forced
+from kvblend.eval.metrics import kl_divergence
 from kvblend.model.loader import load_model
 from kvblend.store.throttle import Throttled
+
+FORMER_DEPTH = 2  # the read-ahead every layer replaced as the default
 
 
 @contextmanager
@@ -77,90 +86,203 @@ def drop_page_cache(directory: Path) -> None:
             os.close(fd)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", default="../shared/data/musique_s.dev.json")
-    ap.add_argument("--limit", type=int, default=8)
-    ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--throttle-mb", type=float, default=100.0, help="throttled tier bandwidth, MB/s")
-    ap.add_argument("--skip-full", action="store_true", help="leave out full prefill (slow on a small CPU)")
-    ap.add_argument("--out", default="results/storage_bench.json")
-    args = ap.parse_args()
+@dataclass
+class Config:
+    label: str
+    tier: str  # memory, disk, redis or throttled
+    mb_s: float | None = None  # a throttled disk's bandwidth
+    former: bool = False  # two layers read ahead instead of every layer
+    controller: bool = False
 
-    base = load_settings(dtype=args.dtype)
-    model = load_model(base.model, base.dtype, base.device)
-    records = load_dataset(args.data, limit=args.limit)
+
+def configs_for(bandwidths: list[float], former: bool | set[str] = True, controller: bool | set[str] = True,
+                plain: bool | set[str] = True) -> list[Config]:
+    """Every tier, then the throttled disks; `plain` (the default schedule), `former` and
+    `controller` run at every tier (True) or at the ones named ("memory", "disk", "redis", or a
+    bandwidth such as "100"). Memory, the yardstick, always runs."""
+    def at(which, name: str) -> bool:
+        return which if isinstance(which, bool) else name in which
+
+    out = []
+    for tier in ("memory", "disk", "redis"):
+        if tier == "memory" or at(plain, tier):
+            out.append(Config(tier, tier))
+        if at(former, tier):
+            out.append(Config(f"{tier}, {FORMER_DEPTH} layers ahead", tier, former=True))
+    for mb in bandwidths:
+        if at(plain, f"{mb:g}"):
+            out.append(Config(f"disk at {mb:g} MB/s", "throttled", mb))
+        if at(former, f"{mb:g}"):
+            out.append(Config(f"disk at {mb:g} MB/s, {FORMER_DEPTH} layers ahead", "throttled", mb, former=True))
+        if at(controller, f"{mb:g}"):
+            out.append(Config(f"disk at {mb:g} MB/s + controller", "throttled", mb, controller=True))
+    return out
+
+
+def run(model, records: list[RagRecord], base: Settings, configs: list[Config], out: str, plot: str | None,
+        quality: bool = True, sep_ids: list[int] | None = None, progress: bool = True) -> dict:
     with redis_and_scratch("kvblend-bench-") as (url, tmp):
         def engine(**update) -> Engine:
-            return Engine(model, base.model_copy(update=update))
+            return Engine(model, base.model_copy(update=update), sep_ids=sep_ids)
 
         mem = engine()
-        disk = engine(local_cpu=False, local_disk=str(tmp / "disk"))
-        remote = engine(local_cpu=False, remote_url=url)
-        slow = engine(local_cpu=False, local_disk=str(tmp / "slow"))
-        slow_ctl = engine(local_cpu=False, local_disk=str(tmp / "slow"), loading_controller=True)
-        for e in (slow, slow_ctl):
-            e.store.tiers[0] = Throttled(e.store.tiers[0], args.throttle_mb * 1e6)
-        mb = f"{args.throttle_mb:g} MB/s"
-        configs = [  # (label, engine, mode, prefetch depth)
-            ("full prefill", mem, "full", 0),
-            ("memory", mem, "blend", mem.prefetch_depth), ("memory, no pipelining", mem, "blend", 0),
-            ("disk", disk, "blend", disk.prefetch_depth), ("disk, no pipelining", disk, "blend", 0),
-            ("redis", remote, "blend", remote.prefetch_depth), ("redis, no pipelining", remote, "blend", 0),
-            (f"disk at {mb}", slow, "blend", slow.prefetch_depth), (f"disk at {mb}, no pipelining", slow, "blend", 0),
-            (f"disk at {mb} + controller", slow_ctl, "blend", slow_ctl.prefetch_depth),
-        ]
-        if args.skip_full:
-            configs = configs[1:]
-        params = SamplingParams(max_tokens=1)
-        runs: dict[str, list[dict]] = {label: [] for label, *_ in configs}
-        tokens, stored_bytes = [], []
-        for i, record in enumerate(tqdm(records, desc="prompts")):
+        engines = {"memory": mem, "disk": engine(local_cpu=False, local_disk=str(tmp / "disk")),
+                   "redis": engine(local_cpu=False, remote_url=url)}
+        for c in configs:
+            if c.tier == "throttled" and (c.mb_s, c.controller) not in engines:
+                e = engine(local_cpu=False, local_disk=str(tmp / "slow"), loading_controller=c.controller)
+                e.store.tiers[0] = Throttled(e.store.tiers[0], c.mb_s * 1e6)
+                engines[(c.mb_s, c.controller)] = e
+
+        def engine_of(c: Config) -> Engine:
+            return engines[(c.mb_s, c.controller)] if c.tier == "throttled" else engines[c.tier]
+
+        copies = [engines["disk"], engines["redis"]] + [engines[key] for key in engines if isinstance(key, tuple)][:1]
+        runs: dict[str, list[dict]] = {c.label: [] for c in configs}
+        tokens, stored_bytes, warm = [], [], set()
+        for i, record in enumerate(tqdm(records, desc="prompts", disable=not progress)):
             ids = prompt_ids(mem, record)
-            mem.precompute(ids)
+            if quality:
+                _, answer, ref = full_reference(mem, ids)  # precomputes the chunks too
+            else:
+                mem.precompute(ids)
             entries = {k: mem.store.tiers[0].get(k) for k in mem.store.tiers[0].keys()}
-            for e in (disk, remote, slow):
+            for e in copies:  # the throttled engines share one directory
                 for key, kv in entries.items():
                     e.store.tiers[0].put(key, kv)
             tokens.append(len(ids))
             plan = mem.plan(ids, "blend")
             stored_bytes.append(sum(c.kv.nbytes for c in plan.chunks if c.kv is not None)
-                                / sum(c.span[1] - c.span[0] for c in plan.chunks if c.kv is not None))
-            for label, e, mode, depth in configs:
-                e.prefetch_depth = depth
-                if i == 0:  # warm-up: one-time costs, and the controller's first measurements
-                    e.generate(ids, params, mode=mode, store=False)
+                                / max(1, sum(c.span[1] - c.span[0] for c in plan.chunks if c.kv is not None)))
+            for c in configs:
+                e = engine_of(c)
+                e.prefetch_depth = FORMER_DEPTH if c.former else e.runner.n_layers
+                if i == 0 and id(e) not in warm:  # one-time costs, and the controller's first measurements
+                    e.prefill(ids, "blend", REFERENCE_CAPACITY)
+                    warm.add(id(e))
                 for d in (tmp / "disk", tmp / "slow"):
                     drop_page_cache(d)
-                m = e.generate(ids, params, mode=mode, store=False).metrics
-                runs[label].append({"ttft_s": m.ttft_s, "load_wait_s": m.load_wait_s, "tiers": sorted(set(m.chunk_tiers)),
-                                    "recomputed": m.recomputed_tokens, "controller": m.controller})
-            for e in (mem, disk, remote, slow):
+                t0 = time.perf_counter()
+                _, o = e.prefill(ids, "blend", REFERENCE_CAPACITY)
+                int(o.logits.argmax())
+                row = {"ttft_s": time.perf_counter() - t0, "load_wait_s": o.stats.load_wait_s,
+                       "tiers": sorted(set(o.stats.chunk_tiers)), "recomputed": o.stats.recomputed_tokens,
+                       "compute_frac": o.stats.compute_frac, "controller": o.stats.controller}
+                if quality:
+                    logits = teacher_forced(e, o, len(ids), answer, ref.shape[0])
+                    row["kl_answer"] = float(kl_divergence(ref, logits).mean())
+                    row["top1_agree"] = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+                runs[c.label].append(row)
+            for e in engines.values():
                 for key in entries:
                     e.store.tiers[0].delete(key)
+            # What is measured so far, in case the run is cut short (the full file replaces it).
+            Path(out).parent.mkdir(parents=True, exist_ok=True)
+            Path(out).write_text(json.dumps({"partial": True, "prompts_done": i + 1, "runs": runs}, indent=1))
+        measured = {name: engines[name].store.tiers[0].meter.rate for name in ("disk", "redis")}
+        for e in engines.values():
+            e.close()
 
-        ref = statistics.mean(r["ttft_s"] for r in runs["memory"])
-        rows = []
-        for label, *_ in configs:
-            rs = runs[label]
-            ttft = statistics.mean(r["ttft_s"] for r in rs)
-            rows.append({"config": label, "ttft_ms": 1000 * ttft, "vs_memory": ttft / ref,
-                         "load_wait_ms": 1000 * statistics.mean(r["load_wait_s"] for r in rs),
-                         "recomputed": statistics.mean(r["recomputed"] for r in rs),
-                         "tiers": sorted({t for r in rs for t in r["tiers"]})})
-        per_token = statistics.mean(stored_bytes)
-        meta = {"model": base.model, "dtype": str(model.dtype), "prompts": len(records),
-                "mean_tokens": statistics.mean(tokens), "prefetch_depth": base.prefetch_depth,
-                "ratio": base.recompute_ratios, "stored_bytes_per_token": per_token,
-                "cpu_count": os.cpu_count(), "load_avg": os.getloadavg()}
-        print(f"\n{meta['prompts']} prompts, {meta['mean_tokens']:.0f} tokens on average, {meta['dtype']}, "
-              f"{per_token / 1e3:.1f} kB stored per chunk token")
-        print("| config | TTFT ms | vs memory | waited on loads ms | recomputed rows | chunks from |")
-        print("| --- | --- | --- | --- | --- | --- |")
-        for r in rows:
-            print(f"| {r['config']} | {r['ttft_ms']:.0f} | {r['vs_memory']:.2f} | {r['load_wait_ms']:.0f} | "
-                  f"{r['recomputed']:.0f} | {', '.join(r['tiers'])} |")
-        save_json(args.out, {"meta": meta, "rows": rows, "runs": runs})
+    ref_ttft = statistics.mean(r["ttft_s"] for r in runs["memory"])
+    rows = []
+    for c in configs:
+        rs = runs[c.label]
+        ttft = statistics.mean(r["ttft_s"] for r in rs)
+        row = {"config": c.label, "tier": c.tier, "mb_s": c.mb_s, "former": c.former, "controller": c.controller,
+               "ttft_ms": 1000 * ttft, "vs_memory": ttft / ref_ttft,
+               "load_wait_ms": 1000 * statistics.mean(r["load_wait_s"] for r in rs),
+               "recomputed": statistics.mean(r["recomputed"] for r in rs),
+               "tiers": sorted({t for r in rs for t in r["tiers"]})}
+        if quality:
+            row |= {k: statistics.mean(r[k] for r in rs) for k in ("kl_answer", "top1_agree")}
+        rows.append(row)
+    per_token = statistics.mean(stored_bytes)
+    meta = {"model": model.name, "dtype": str(model.dtype), "prompts": len(records),
+            "mean_tokens": statistics.mean(tokens), "ratio": base.recompute_ratios,
+            "stored_bytes_per_token": per_token, "measured_mb_s": {k: v and v / 1e6 for k, v in measured.items()},
+            "cpu_count": os.cpu_count(), "omp_threads": torch.get_num_threads(), "load_avg": os.getloadavg()}
+    print(f"\n{meta['prompts']} prompts, {meta['mean_tokens']:.0f} tokens on average, {meta['dtype']}, "
+          f"{per_token / 1e3:.1f} kB stored per chunk token, {meta['omp_threads']} threads, "
+          f"load average {meta['load_avg'][0]:.1f}")
+    print("| chunks from | TTFT ms | vs memory | waited on loads ms | recomputed rows | kl_answer | top1_agree |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        q = f"{r['kl_answer']:.4f} | {r['top1_agree']:.3f}" if quality else "- | -"
+        print(f"| {r['config']} | {r['ttft_ms']:.0f} | {r['vs_memory']:.2f} | {r['load_wait_ms']:.0f} | "
+              f"{r['recomputed']:.0f} | {q} |")
+    payload = {"meta": meta, "rows": rows, "runs": runs}
+    save_json(out, payload)
+    if plot:
+        draw(payload, plot)
+    return payload
+
+
+def draw(payload: dict, path: str) -> None:
+    """TTFT over memory's against the tier's read bandwidth: the throttled disks at their set
+    bandwidth, one line per schedule, and disk and Redis at the bandwidth they measured."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = payload["rows"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    series = [("every layer ahead (default)", dict(former=False, controller=False), "o-"),
+              (f"{FORMER_DEPTH} layers ahead", dict(former=True, controller=False), "s--"),
+              ("every layer ahead + controller", dict(former=False, controller=True), "^:")]
+    for name, match, style in series:
+        pts = sorted((r["mb_s"], r["vs_memory"]) for r in rows
+                     if r["tier"] == "throttled" and all(r[k] == v for k, v in match.items()))
+        if pts:
+            ax.plot(*zip(*pts), style, label=f"throttled disk, {name}")
+    for tier, marker in (("disk", "D"), ("redis", "P")):
+        mb = payload["meta"]["measured_mb_s"].get(tier)
+        r = next((r for r in rows if r["config"] == tier), None)
+        if mb and r:
+            ax.plot([mb], [r["vs_memory"]], marker, markersize=9, label=f"{tier} (measured {mb:.0f} MB/s)")
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.axhline(1.15, color="grey", lw=0.8, ls=":")
+    ax.set_xscale("log")
+    ax.set_xlabel("tier read bandwidth, MB/s")
+    ax.set_ylabel("TTFT / TTFT from memory")
+    m = payload["meta"]
+    ax.set_title(f"{m['model']}, {m['dtype'].removeprefix('torch.')}, {m['prompts']} prompts, "
+                 f"{m['mean_tokens']:.0f} tokens", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--data", default="../shared/data/musique_s.dev.json")
+    ap.add_argument("--offset", type=int, default=0)
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--bandwidths", default="1000,300,100", help="throttled disk bandwidths, MB/s, comma-separated")
+    ap.add_argument("--plain-at", default="all", help="tiers and bandwidths to run with the default schedule: "
+                    "all, none, or comma-separated (memory always runs)")
+    ap.add_argument("--former-at", default="all", help=f"where to run the {FORMER_DEPTH}-layers-ahead schedule too: "
+                    "all, none, or tiers and bandwidths, comma-separated (memory,100)")
+    ap.add_argument("--controller-at", default="all", help="throttled bandwidths to run the loading controller at: "
+                    "all, none, or comma-separated")
+    ap.add_argument("--no-quality", action="store_true", help="leave out full prefill and the quality columns")
+    ap.add_argument("--out", default="results/storage_bench.json")
+    ap.add_argument("--plot", default="results/storage_bench.png")
+    args = ap.parse_args(argv)
+
+    base = load_settings(dtype=args.dtype)
+    model = load_model(base.model, base.dtype, base.device)
+    records = load_dataset(args.data, limit=args.offset + args.limit)[args.offset:]
+    def which(arg: str) -> bool | set[str]:
+        return {"all": True, "none": False}.get(arg, set(arg.split(",")))
+
+    configs = configs_for([float(b) for b in args.bandwidths.split(",") if b], which(args.former_at),
+                          which(args.controller_at), which(args.plain_at))
+    run(model, records, base, configs, args.out, args.plot, quality=not args.no_quality)
 
 
 if __name__ == "__main__":

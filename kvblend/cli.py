@@ -60,7 +60,7 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--remote-ttl", type=int, help="seconds a Redis entry lives")
     p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=None,
                    help="read stored KV layer by layer in a background thread while layers compute")
-    p.add_argument("--prefetch-depth", type=int, help="layers read ahead of compute")
+    p.add_argument("--prefetch-depth", type=int, help="layers read ahead of compute (default: every layer)")
     p.add_argument("--kv-int8", action=argparse.BooleanOptionalAction, default=None,
                    help="store chunk KV as int8 with a scale per token and head")
     p.add_argument("--loading-controller", action=argparse.BooleanOptionalAction, default=None,

@@ -145,14 +145,19 @@ class Settings(BaseSettings):
     max_remote_size: float = Field(default=20.0, ge=0)  # GiB, shared by every process on that Redis
     remote_ttl: int | None = Field(default=None, gt=0)  # seconds a Redis entry lives; None: until evicted
     # Layers of stored KV read and re-encoded ahead of compute by a background thread (with
-    # `layerwise`); 0 reads each layer when it is needed.
-    prefetch_depth: int = Field(default=2, ge=0)
+    # `layerwise`); 0 reads each layer when it is needed. None (the default): every layer, from the
+    # moment the request is planned. Reads land straight in the request's cache, so reading far
+    # ahead costs no memory, and a slow tier's reads run on through the probe and the blend pass.
+    prefetch_depth: int | None = Field(default=None, ge=0)
     # Store chunk KV as int8 with a float16 scale per token and head (exact prefix blocks stay
     # exact): about a quarter of fp32's bytes; its fidelity cost: docs/storage.md#int8.
     kv_int8: bool = False
-    # Raise the recompute ratio above recompute_ratios (a floor) when reading stored KV is slower
-    # than computing, from measured tier bandwidth and compute speed. Off by default: its choices
-    # follow timings, so outputs then depend on the machine's load.
+    # Plan each request's reads against its compute (probe and blend pass, from measured tier
+    # bandwidth and compute speed): raise the recompute ratio above recompute_ratios (a floor) where
+    # the extra rows fill waits for reads, recompute chunks whose read costs more, read from the
+    # fastest tier. Off by default: its choices follow timings, so outputs then depend on the
+    # machine's load. Each decision is in the request's metrics; one that dropped no chunk replays
+    # exactly with recompute_ratios set to its ratio.
     loading_controller: bool = False
 
     def neighbour_index_path(self) -> Path | None:

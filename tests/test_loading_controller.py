@@ -9,7 +9,7 @@ import torch
 from redis_server import redis_server  # noqa: F401  (fixture)
 from test_store_engine import ASKED, STORED, make_engine, stored_engine
 
-from kvblend.blend.controller import LoadingController
+from kvblend.blend.controller import LoadingController, Work, play, work
 from kvblend.engine.sampler import SamplingParams
 from kvblend.store.throttle import Throttled
 
@@ -39,19 +39,52 @@ def test_fast_tier_keeps_the_floor(tmp_path):
     assert cfg.ratios == [FLOOR] and d.ratio == FLOOR and d.dropped == 0 and d.load_s < d.compute_s
 
 
-def test_slow_tier_raises_the_ratio_until_compute_matches_loading(tmp_path):
+def test_play_streams_reads_back_to_back_and_each_pass_waits_for_its_layer():
+    w = Work(reads=[0, 1, 2], probe_layers=3, probe_rows=1, blend_rows=[2, 2, 2])
+    # Layers arrive at 1, 2, 3 s; the probe's layers (0.1 s) each wait for theirs, the blend pass
+    # (0.2 s a layer) finds every layer read.
+    assert play(w, layer_read_s=1.0, pair_s=0.1) == pytest.approx((3.7, 2.8))
+    # A blend pass that reads its own layers (no probe) waits only where reading is slower.
+    w = Work(reads=[1, 2], probe_layers=0, probe_rows=0, blend_rows=[30, 3, 3])
+    assert play(w, layer_read_s=2.0, pair_s=0.1) == pytest.approx((4.3, 0.7))
+
+
+def test_slow_tier_raises_the_ratio_while_the_extra_rows_fill_waits_for_reads(tmp_path):
+    """No probe: the blend pass reads each layer from its check layer on, and recomputing more
+    rows costs nothing while a layer's read takes longer than its compute."""
+    engine, disk, ctl = disk_engine(tmp_path, weight_by_attention=False)
+    plan = engine.plan(ASKED, "blend")
+    must, reused = counts(plan)
+    layer_bytes = sum(c.kv.meta.layer_nbytes for c in plan.chunks) + sum(kv.meta.layer_nbytes for _, kv in plan.prefix_blocks)
+    ctl.compute.rate = 1e4  # rows per second
+    disk.meter.rate = layer_bytes * ctl.compute.rate / (must + 0.6 * reused)  # a read: 60% of reused rows
+    cfg, d = ctl.decide(plan, engine.blend_cfg)
+    assert d.dropped == 0 and 0.3 < d.ratio < 1.0 and cfg.ratios == [d.ratio]
+    L, pair_s = engine.runner.n_layers, 1 / ctl.compute.rate
+    floor_s = play(work(plan, engine.blend_cfg, FLOOR, L), d.load_s, pair_s)[0]
+    assert d.ttft_s <= floor_s + d.load_s  # the raise costs at most one layer's read
+    assert play(work(plan, engine.blend_cfg, d.ratio + 0.05, L), d.load_s, pair_s)[0] > floor_s + d.load_s
+    _, out = engine.prefill(ASKED, "blend", blend_cfg=cfg)
+    assert len(out.stats.selected_positions) == round(d.ratio * reused)
+    # The decision pins the output: the same ratio set by hand gives the same logits, bit for bit.
+    pinned, _, _ = disk_engine(tmp_path / "pinned", weight_by_attention=False, recompute_ratios=[d.ratio])
+    assert torch.equal(pinned.prefill(ASKED, "blend")[1].logits, out.logits)
+
+
+def test_a_full_depth_probe_waits_for_every_read_and_recompute_cannot_hide_it(tmp_path):
+    """The probe needs every layer's stored KV before the blend pass begins: more recompute in
+    the blend pass would only add to the wait, so the ratio stays near the floor and the decision
+    says why."""
     engine, disk, ctl = disk_engine(tmp_path)
     plan = engine.plan(ASKED, "blend")
     must, reused = counts(plan)
-    layer_bytes = sum(c.kv.meta.layer_nbytes for c in plan.chunks)
-    ctl.compute.rate = 1e4  # rows per second
-    target = 0.6  # choose the bandwidth at which computing 60% of reused rows takes as long as a read
-    disk.meter.rate = layer_bytes * ctl.compute.rate / (must + target * reused)
+    layer_bytes = sum(c.kv.meta.layer_nbytes for c in plan.chunks) + sum(kv.meta.layer_nbytes for _, kv in plan.prefix_blocks)
+    ctl.compute.rate = 1e4
+    disk.meter.rate = layer_bytes * ctl.compute.rate / (must + 0.6 * reused)
     cfg, d = ctl.decide(plan, engine.blend_cfg)
-    assert d.ratio == pytest.approx(target) and cfg.ratios == [pytest.approx(target)] and d.dropped == 0
-    assert d.compute_s == pytest.approx(d.load_s)
-    _, out = engine.prefill(ASKED, "blend", blend_cfg=cfg)
-    assert len(out.stats.selected_positions) == round(target * reused)
+    L, pair_s = engine.runner.n_layers, 1 / ctl.compute.rate
+    assert "probe-bound" in d.reason and d.dropped == 0 and d.wait_s > (L - 1) * 0.5 * d.load_s
+    assert (d.ratio - FLOOR) * reused * L * pair_s <= d.load_s * 1.01  # no more than one layer's read
 
 
 def test_tier_slower_than_recompute_is_not_read(tmp_path):

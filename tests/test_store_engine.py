@@ -97,11 +97,13 @@ def test_prefill_from_a_tier_equals_prefill_from_memory(tier_kind, tmp_path, mod
     same_output(out, ref)
 
 
-@pytest.mark.parametrize("depth", [0, 1, 3])
+@pytest.mark.parametrize("depth", [1, 3, "all"])
 def test_layer_pipelining_gives_the_same_kv_as_inline_loading(tmp_path, depth):
     engine = stored_engine("disk", tmp_path)
-    _, inline = engine.prefill(ASKED, "blend")  # default depth 2
-    engine.prefetch_depth = depth
+    assert engine.prefetch_depth == engine.runner.n_layers  # the default reads every layer ahead
+    engine.prefetch_depth = 0
+    _, inline = engine.prefill(ASKED, "blend")
+    engine.prefetch_depth = engine.runner.n_layers if depth == "all" else depth
     _, out = engine.prefill(ASKED, "blend")
     same_output(out, inline)
     assert out.stats.load_wait_s >= 0
@@ -114,7 +116,7 @@ def test_pipelining_with_a_short_probe_and_stale_key_damping(tmp_path):
     memory.precompute(STORED)
     _, ref = memory.prefill(ASKED, "blend")
     engine = stored_engine("disk", tmp_path, check_layers=[3], probe_layers=2, stale_key_scale=0.7)
-    for depth in (0, 2):
+    for depth in (0, 2, engine.runner.n_layers):
         engine.prefetch_depth = depth
         _, out = engine.prefill(ASKED, "blend")
         same_output(out, ref)

@@ -406,3 +406,28 @@ def test_wait_written_waits_for_its_keys_only(tmp_path):
     waiter.join(timeout=30)
     assert results == [True] and "chunk-slow" in disk
     store.close()
+
+
+# ---- a throttled tier ---------------------------------------------------------------------------
+
+def test_throttle_shares_its_bandwidth_between_concurrent_reads(tmp_path):
+    """Reads issued at once from several threads book the link one after another: together they
+    take as long as in a row, so reading in parallel cannot beat the set bandwidth."""
+    from kvblend.store.throttle import Throttled
+
+    now, slept = [100.0], []
+    tier = DiskTier(tmp_path / "kv", MB, SPEC)
+    tier.put("a", kv(8))
+    slow = Throttled(tier, bytes_per_s=1000.0, clock=lambda: now[0], sleep=slept.append)
+    entries = [slow.get("a") for _ in range(3)]
+    seconds = entries[0].meta.layer_nbytes / 1000.0
+    for e in entries:  # three reads started at the same instant (the fake clock never moves)
+        assert same_layer(e.layer(0), kv(8))
+    assert slept == pytest.approx([seconds, 2 * seconds, 3 * seconds])
+    now[0] += 10 * seconds  # the link has been idle: the next read books from now, not from the past
+    entries[0].layer(1)
+    assert slept[-1] == pytest.approx(seconds)
+
+
+def same_layer(got, want: ChunkKV, layer: int = 0) -> bool:
+    return torch.equal(got[0], want.k[layer]) and torch.equal(got[1], want.v[layer])

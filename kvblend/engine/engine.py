@@ -100,7 +100,8 @@ class Engine:
         r = self.runner
         self.spec = EntrySpec(model.fingerprint, dtype_name(model.dtype), r.n_layers, r.n_kv_heads, r.head_dim)
         self.store = build_store(s, self.spec)
-        self.prefetch_depth = s.prefetch_depth if s.layerwise else 0
+        depth = r.n_layers if s.prefetch_depth is None else s.prefetch_depth
+        self.prefetch_depth = depth if s.layerwise else 0
         self.controller = LoadingController(self.store) if s.loading_controller else None
         self.store.pick_by_bandwidth = s.loading_controller
         self.eos_ids = _eos_ids(model)

@@ -1,16 +1,38 @@
 """A tier slowed to a set read bandwidth: a slow disk or network on demand, for the loading
-controller's tests and the storage benchmark."""
+controller's tests and the storage benchmark.
+
+The bandwidth is shared, as a device's is: each read books the next free stretch of the link
+(its bytes over the bandwidth) and returns when that stretch ends, so reads issued at once from
+several threads take as long together as one after the other, never less.
+"""
 
 from __future__ import annotations
 
+import threading
 import time
 
 
+class Link:
+    """When the shared link is next free: each read books `seconds` of it, after the reads booked
+    before it, and learns when its stretch ends."""
+
+    def __init__(self, clock=time.perf_counter):
+        self.clock, self.free_at = clock, 0.0
+        self._lock = threading.Lock()
+
+    def book(self, seconds: float, started: float) -> float:
+        """The time a read that started at `started` and needs `seconds` of the link ends."""
+        with self._lock:
+            self.free_at = max(self.free_at, started) + seconds
+            return self.free_at
+
+
 class Throttled:
-    def __init__(self, tier, bytes_per_s: float):
+    def __init__(self, tier, bytes_per_s: float, clock=time.perf_counter, sleep=time.sleep):
         if bytes_per_s <= 0:
             raise ValueError(f"throttle must be > 0 bytes/s, got {bytes_per_s}")
         self.inner, self.bytes_per_s = tier, bytes_per_s
+        self.link, self._clock, self._sleep = Link(clock), clock, sleep
 
     def __getattr__(self, name):  # everything but reads is the inner tier's
         return getattr(self.inner, name)
@@ -28,9 +50,9 @@ class Throttled:
         read, seconds = entry._read_layer, entry.meta.layer_nbytes / self.bytes_per_s
 
         def slow_read(layer: int):
-            t0 = time.perf_counter()
-            out = read(layer)
-            time.sleep(max(0.0, seconds - (time.perf_counter() - t0)))
+            t0 = self._clock()
+            out = read(layer)  # the real read overlaps the booked stretch, as a device's transfer would
+            self._sleep(max(0.0, self.link.book(seconds, t0) - self._clock()))
             return out
 
         entry._read_layer = slow_read
