@@ -59,8 +59,8 @@ def test_blend_phases(tmp_path, tiny_data):
 
 def test_storage_bench(tmp_path, tiny_data):
     out = tmp_path / "storage.json"
-    run([bench("storage_bench"), "--data", str(tiny_data), "--limit", "1", "--skip-full", "--dtype", "float32",
-         "--out", str(out)], tmp_path)
+    run([bench("storage_bench"), "--data", str(tiny_data), "--limit", "1", "--no-quality", "--bandwidths", "100",
+         "--dtype", "float32", "--out", str(out), "--plot", str(tmp_path / "storage.png")], tmp_path)
     assert json.loads(out.read_text())["rows"]
 
 
