@@ -120,6 +120,9 @@ def measure_length(engine: Engine, llama: LlamaWorker | None, ids: list[int], re
     tokens: dict[str, int] = {}
     batch_times: dict[int, float] = {}
     best_batch = None
+    # A batch at least as long as the prompt decodes it in one call: larger ones are the same run.
+    n_batches = sorted(set(n_batches))
+    n_batches = [b for b in n_batches if b < len(ids)] + [b for b in n_batches if b >= len(ids)][:1]
     for r in range(repeats):
         if llama is not None:
             for b in (n_batches if r == 0 else [best_batch]):
@@ -204,7 +207,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--data", default="../shared/data/musique_s.dev.json")
     ap.add_argument("--lengths", default="1024,4096,8192", help="comma-separated prompt lengths in tokens")
     ap.add_argument("--threads", type=int, default=2, help="threads for torch and llama.cpp alike")
-    ap.add_argument("--repeats", type=int, default=3, help="rounds per length; medians are reported")
+    ap.add_argument("--repeats", default="3",
+                    help="rounds per length, one number or one per length (e.g. 3,3,2); medians are reported")
     ap.add_argument("--n-batch", default="512,1024,2048", help="llama.cpp batch sizes to try (n_ubatch too)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--no-hf", action="store_true", help="leave out transformers' forward")
@@ -213,8 +217,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     lengths = [int(x) for x in args.lengths.split(",") if x.strip()]
     n_batches = [int(x) for x in args.n_batch.split(",") if x.strip()]
-    if args.repeats < 1 or args.threads < 1 or not lengths or min(lengths) < 1 or not n_batches:
-        ap.error("--repeats and --threads must be >= 1, --lengths and --n-batch non-empty and positive")
+    repeats = [int(x) for x in args.repeats.split(",") if x.strip()]
+    repeats = repeats * len(lengths) if len(repeats) == 1 else repeats
+    if len(repeats) != len(lengths) or min(repeats) < 1 or args.threads < 1 or not lengths or min(lengths) < 1 \
+            or not n_batches or min(n_batches) < 1:
+        ap.error("--repeats (one number, or one per length) and --threads must be >= 1, "
+                 "--lengths and --n-batch non-empty and positive")
     torch.set_num_threads(args.threads)
 
     settings = load_settings(model=args.model, dtype=args.dtype)
@@ -245,9 +253,9 @@ def main(argv: list[str] | None = None) -> dict:
         hf_ttft(engine, warm)
 
     rows = []
-    for n, ids in zip(lengths, prompts):
+    for n, ids, reps in zip(lengths, prompts, repeats):
         print(f"length {n} ({len(ids)} tokens):", flush=True)
-        row = measure_length(engine, llama, ids, args.repeats, n_batches, not args.no_hf)
+        row = measure_length(engine, llama, ids, reps, n_batches, not args.no_hf)
         row["ratios"] = ratios(row)
         rows.append(row)
     if llama is not None:
@@ -258,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict:
     dtype = str(engine.model.dtype).removeprefix("torch.")
     cpu = cpu_name()
     print(f"\n{cpu}; kvblend and transformers in {dtype}; llama.cpp on {gguf.name if gguf else '-'}; "
-          f"median of {args.repeats}")
+          f"medians of {args.repeats} rounds")
     print_table(rows, systems)
     plot_path = args.plot or args.out.with_suffix(".png")
     plot(rows, systems, f"{Path(args.model).name}: TTFT, {cpu}, kvblend {dtype}", plot_path)
@@ -266,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
     import transformers
 
     report = {"model": args.model, "gguf": str(gguf) if gguf else None, "dtype": dtype, "cpu": cpu,
-              "threads": args.threads, "repeats": args.repeats, "data": args.data, "torch": torch.__version__,
+              "threads": args.threads, "repeats": repeats, "data": args.data, "torch": torch.__version__,
               "transformers": transformers.__version__, "llama_cpp": llama.info if llama else None,
               "llama_skipped": skipped, "n_batch_tried": n_batches, "systems": systems, "rows": rows,
               "plot": str(plot_path), "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])}
