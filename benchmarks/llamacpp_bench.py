@@ -71,9 +71,9 @@ class LlamaWorker:
                              f"the end of its log ({self.log_path}):\n{tail}")
         return json.loads(line)
 
-    def ttft(self, ids: list[int], n_batch: int) -> tuple[float, int]:
+    def ttft(self, ids: list[int], n_batch: int) -> tuple[float, float, int]:
         out = self._ask({"tokens": ids, "n_batch": n_batch})
-        return out["seconds"], out["token"]
+        return out["seconds"], out["cpu_seconds"], out["token"]
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -81,21 +81,24 @@ class LlamaWorker:
         self.log.close()
 
 
-def kvblend_ttft(engine: Engine, ids: list[int], mode: str) -> tuple[float, int]:
+# Each timing is (wall seconds, this process's CPU seconds over all its threads, first token). On a
+# shared machine the CPU time is the steadier measure of the work: it leaves out time spent waiting
+# for a core (but counts the threads' spin-waits for each other).
+def kvblend_ttft(engine: Engine, ids: list[int], mode: str) -> tuple[float, float, int]:
     with torch.inference_mode():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         _, out = engine.prefill(ids, mode)
         token = int(out.logits.argmax())
-        return time.perf_counter() - t0, token
+        return time.perf_counter() - t0, time.process_time() - c0, token
 
 
-def hf_ttft(engine: Engine, ids: list[int]) -> tuple[float, int]:
+def hf_ttft(engine: Engine, ids: list[int]) -> tuple[float, float, int]:
     model = engine.model
     with torch.inference_mode():
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         logits = model.hf(input_ids=torch.tensor([ids], device=model.device), logits_to_keep=1).logits
         token = int(logits[0, -1].argmax())
-        return time.perf_counter() - t0, token
+        return time.perf_counter() - t0, time.process_time() - c0, token
 
 
 def stored_prompts(engine: Engine, records, lengths: list[int]) -> list[list[int]]:
@@ -117,33 +120,37 @@ def measure_length(engine: Engine, llama: LlamaWorker | None, ids: list[int], re
                    with_hf: bool) -> dict:
     """Every system once per round, `repeats` rounds; llama.cpp tries each n_batch in round one."""
     samples: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     tokens: dict[str, int] = {}
-    batch_times: dict[int, float] = {}
+    batch_times: dict[int, tuple[float, float]] = {}
     best_batch = None
+
+    def add(name: str, timing: tuple[float, float, int]) -> None:
+        samples.setdefault(name, []).append(timing[0])
+        cpu.setdefault(name, []).append(timing[1])
+        tokens[name] = timing[2]
+
     # A batch at least as long as the prompt decodes it in one call: larger ones are the same run.
     n_batches = sorted(set(n_batches))
     n_batches = [b for b in n_batches if b < len(ids)] + [b for b in n_batches if b >= len(ids)][:1]
     for r in range(repeats):
         if llama is not None:
-            for b in (n_batches if r == 0 else [best_batch]):
-                t, tok = llama.ttft(ids, b)
-                if r == 0:
-                    batch_times[b] = t
-                else:
-                    samples[LLAMA].append(t)
             if r == 0:
-                best_batch = min(batch_times, key=batch_times.get)
-                samples[LLAMA] = [batch_times[best_batch]]
-            tokens[LLAMA] = tok
+                timings = {b: llama.ttft(ids, b) for b in n_batches}
+                batch_times = {b: t[:2] for b, t in timings.items()}
+                best_batch = min(timings, key=lambda b: timings[b][0])
+                add(LLAMA, timings[best_batch])
+            else:
+                add(LLAMA, llama.ttft(ids, best_batch))
         for mode in KVBLEND_MODES:
-            t, tokens[f"kvblend {mode}"] = kvblend_ttft(engine, ids, mode)
-            samples.setdefault(f"kvblend {mode}", []).append(t)
+            add(f"kvblend {mode}", kvblend_ttft(engine, ids, mode))
         if with_hf:
-            t, tokens[HF] = hf_ttft(engine, ids)
-            samples.setdefault(HF, []).append(t)
-        print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}s" for k, v in samples.items()), flush=True)
+            add(HF, hf_ttft(engine, ids))
+        print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}s (cpu {cpu[k][-1]:.1f}s)" for k, v in samples.items()),
+              flush=True)
     out = {"tokens": len(ids), "ttft_s": {k: statistics.median(v) for k, v in samples.items()},
-           "samples_s": samples, "first_token": tokens}
+           "cpu_s": {k: statistics.median(v) for k, v in cpu.items()},
+           "samples_s": samples, "cpu_samples_s": cpu, "first_token": tokens}
     if llama is not None:
         out["llama_n_batch"] = best_batch
         out["llama_round1_by_n_batch_s"] = batch_times
@@ -151,13 +158,17 @@ def measure_length(engine: Engine, llama: LlamaWorker | None, ids: list[int], re
 
 
 def ratios(row: dict) -> dict:
-    t = row["ttft_s"]
+    """TTFT ratios within the row (wall time), and the main ones in CPU time too."""
+    t, c = row["ttft_s"], row["cpu_s"]
     out = {}
     if LLAMA in t:
         for name in ("kvblend full", "kvblend prefix", "kvblend blend", HF):
             if name in t:
                 out[f"{LLAMA} / {name}"] = t[LLAMA] / t[name]
     out["kvblend full / kvblend blend"] = t["kvblend full"] / t["kvblend blend"]
+    if LLAMA in c:
+        for name in ("kvblend full", "kvblend blend"):
+            out[f"{LLAMA} / {name} (CPU time)"] = c[LLAMA] / c[name]
     return out
 
 

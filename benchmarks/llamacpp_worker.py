@@ -4,8 +4,9 @@ standard library.
 
 Protocol, one JSON object a line: the first line on stdin is {"gguf", "threads"}; the worker loads
 the model once (its own quantized weights) and answers {"ready", "version", "system_info"}. Then
-each line {"tokens": [...], "n_batch": b} gets {"seconds", "token"}: the wall time from the first
-llama_decode call to the first token picked (greedy) from the last row's logits, in a context
+each line {"tokens": [...], "n_batch": b} gets {"seconds", "cpu_seconds", "token"}: the wall time
+(and this process's CPU time, all threads) from the first llama_decode call to the first token
+picked (greedy) from the last row's logits, in a context
 created fresh for that prompt (untimed, as a server's would already exist) with n_ubatch = n_batch
 and flash attention on.
 """
@@ -47,7 +48,7 @@ def new_context(model, n_ctx: int, n_batch: int, threads: int):
     return ctx
 
 
-def prefill_seconds(model, n_vocab: int, tokens: list[int], n_batch: int, threads: int) -> tuple[float, int]:
+def prefill_seconds(model, n_vocab: int, tokens: list[int], n_batch: int, threads: int) -> tuple[float, float, int]:
     n_ctx = -(-(len(tokens) + 16) // 256) * 256
     ctx = new_context(model, n_ctx, n_batch, threads)
     try:
@@ -55,14 +56,14 @@ def prefill_seconds(model, n_vocab: int, tokens: list[int], n_batch: int, thread
         # the logits of each call's last row only.
         slices = [tokens[i:i + n_batch] for i in range(0, len(tokens), n_batch)]
         arrays = [(lc.llama_token * len(s))(*s) for s in slices]
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         for arr in arrays:
             if lc.llama_decode(ctx, lc.llama_batch_get_one(arr, len(arr))) != 0:
                 raise SystemExit("llama_decode failed")
         lc.llama_synchronize(ctx)
         logits = np.ctypeslib.as_array(lc.llama_get_logits_ith(ctx, -1), shape=(n_vocab,))
         token = int(logits.argmax())
-        return time.perf_counter() - start, token
+        return time.perf_counter() - start, time.process_time() - cpu, token
     finally:
         lc.llama_free(ctx)
 
@@ -76,8 +77,8 @@ def main() -> None:
         if not line.strip():
             continue
         req = json.loads(line)
-        seconds, token = prefill_seconds(model, n_vocab, req["tokens"], int(req["n_batch"]), int(setup["threads"]))
-        reply({"seconds": seconds, "token": token})
+        seconds, cpu, token = prefill_seconds(model, n_vocab, req["tokens"], int(req["n_batch"]), int(setup["threads"]))
+        reply({"seconds": seconds, "cpu_seconds": cpu, "token": token})
     lc.llama_model_free(model)
 
 

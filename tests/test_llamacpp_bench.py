@@ -44,6 +44,7 @@ def test_every_system_is_timed_on_the_same_prompt_and_blend_reuses_the_stored_ch
     for ids, row in zip(prompts, rows):
         assert row["tokens"] == len(ids)
         assert set(row["ttft_s"]) == set(systems) and all(len(v) == 2 for v in row["samples_s"].values())
+        assert set(row["cpu_s"]) == set(systems) and all(c > 0 for c in row["cpu_s"].values())
         # full prefill in kvblend and transformers' forward read the same prompt the same way (fp32)
         assert row["first_token"]["kvblend full"] == row["first_token"][bench.HF]
         assert row["ratios"]["kvblend full / kvblend blend"] > 0
@@ -56,6 +57,32 @@ def test_every_system_is_timed_on_the_same_prompt_and_blend_reuses_the_stored_ch
     png = tmp_path / "ttft.png"
     bench.plot(rows, systems, "tiny", png)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+class FakeLlama:
+    """Stands for the llama.cpp worker: a prefill takes longer the farther n_batch is from 1024."""
+
+    def __init__(self):
+        self.calls = []
+
+    def ttft(self, ids, n_batch):
+        self.calls.append(n_batch)
+        return 1 + abs(n_batch - 1024) / 1024, 2.0, 7
+
+
+def test_llama_cpp_tries_each_batch_size_once_then_keeps_the_fastest():
+    engine = tiny_engine()
+    ids = bench.stored_prompts(engine, RECORDS, [400])[0]
+    llama = FakeLlama()
+    row = bench.measure_length(engine, llama, ids, repeats=3, n_batches=[2048, 256, 1024, 512], with_hf=False)
+    # 512 and up all hold the 400-token prompt: only the smallest of them is a different run from 256
+    assert llama.calls == [256, 512, 512, 512]
+    assert row["llama_n_batch"] == 512 and set(row["llama_round1_by_n_batch_s"]) == {256, 512}
+    assert row["samples_s"][bench.LLAMA] == [1.5, 1.5, 1.5] and row["cpu_s"][bench.LLAMA] == 2.0
+    assert row["first_token"][bench.LLAMA] == 7
+    ratios = bench.ratios(row)
+    assert ratios["llama.cpp full / kvblend blend"] == 1.5 / row["ttft_s"]["kvblend blend"]
+    assert ratios["llama.cpp full / kvblend full (CPU time)"] == 2.0 / row["cpu_s"]["kvblend full"]
 
 
 def test_a_llama_python_without_llama_cpp_stops_with_the_workers_own_error(tmp_path):
