@@ -188,22 +188,24 @@ def print_table(rows: list[dict], systems: list[str]) -> None:
 
 
 def plot(rows: list[dict], systems: list[str], title: str, path: Path) -> None:
+    """TTFT against prompt length, one line per system, log y; beside it the same in CPU seconds."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(7, 4.5))
+    fig = Figure(figsize=(12, 4.5))
     FigureCanvasAgg(fig)
-    ax = fig.subplots()
-    for s in systems:
-        pts = [(r["tokens"], r["ttft_s"][s]) for r in rows if s in r["ttft_s"]]
-        if pts:
-            ax.plot(*zip(*pts), marker="o", label=s)
-    ax.set_yscale("log")
-    ax.set_xlabel("prompt tokens")
-    ax.set_ylabel("time to first token (s, log scale)")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    panels = [("ttft_s", "time to first token (s, log scale)"), ("cpu_s", "CPU seconds of its process (log scale)")]
+    for ax, (key, label) in zip(fig.subplots(1, 2), panels):
+        for s in systems:
+            pts = [(r["tokens"], r[key][s]) for r in rows if s in r.get(key, {})]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=s)
+        ax.set_yscale("log")
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
@@ -263,34 +265,33 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_hf:
         hf_ttft(engine, warm)
 
-    rows = []
-    for n, ids, reps in zip(lengths, prompts, repeats):
-        print(f"length {n} ({len(ids)} tokens):", flush=True)
-        row = measure_length(engine, llama, ids, reps, n_batches, not args.no_hf)
-        row["ratios"] = ratios(row)
-        rows.append(row)
-    if llama is not None:
-        llama.close()
+    import transformers
 
     systems = ([LLAMA] if llama is not None else []) + [f"kvblend {m}" for m in KVBLEND_MODES] + \
         ([] if args.no_hf else [HF])
     dtype = str(engine.model.dtype).removeprefix("torch.")
     cpu = cpu_name()
-    print(f"\n{cpu}; kvblend and transformers in {dtype}; llama.cpp on {gguf.name if gguf else '-'}; "
-          f"medians of {args.repeats} rounds")
-    print_table(rows, systems)
     plot_path = args.plot or args.out.with_suffix(".png")
-    plot(rows, systems, f"{Path(args.model).name}: TTFT, {cpu}, kvblend {dtype}", plot_path)
-
-    import transformers
-
     report = {"model": args.model, "gguf": str(gguf) if gguf else None, "dtype": dtype, "cpu": cpu,
               "threads": args.threads, "repeats": repeats, "data": args.data, "torch": torch.__version__,
               "transformers": transformers.__version__, "llama_cpp": llama.info if llama else None,
-              "llama_skipped": skipped, "n_batch_tried": n_batches, "systems": systems, "rows": rows,
+              "llama_skipped": skipped, "n_batch_tried": n_batches, "systems": systems, "rows": [],
               "plot": str(plot_path), "command": " ".join([Path(sys.argv[0]).name, *(argv or sys.argv[1:])])}
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+    for n, ids, reps in zip(lengths, prompts, repeats):
+        print(f"length {n} ({len(ids)} tokens):", flush=True)
+        row = measure_length(engine, llama, ids, reps, n_batches, not args.no_hf)
+        row["ratios"] = ratios(row)
+        report["rows"].append(row)
+        # written after every length, so that a long run cut short keeps what it measured
+        args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+        plot(report["rows"], systems, f"{Path(args.model).name}: TTFT, {cpu}, kvblend {dtype}", plot_path)
+    if llama is not None:
+        llama.close()
+
+    print(f"\n{cpu}; kvblend and transformers in {dtype}; llama.cpp on {gguf.name if gguf else '-'}; "
+          f"medians of {args.repeats} rounds")
+    print_table(report["rows"], systems)
     print(f"\nwrote {args.out} and {plot_path}")
     return report
 
