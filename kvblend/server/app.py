@@ -192,10 +192,18 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             return Response(status_code=499)
         return JSONResponse(collect.result())
 
+    def model_card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kvblend",
+                "max_model_len": engine.max_len}
+
     @app.get("/v1/models")
     async def models(_base: str = Depends(tenant)):
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvblend", "max_model_len": engine.max_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path, since model names hold slashes (org/name)
+    async def model(model_id: str, _base: str = Depends(tenant)):
+        check_model(model_id)
+        return model_card()
 
     @app.post("/v1/chunks")
     async def store_chunks(request: HTTPRequest, base: str = Depends(tenant)):
