@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from ..engine.engine import Engine, RequestError
 from ..engine.sampler import SamplingParams
-from . import prompts
+from . import access_log, prompts
 from .errors import APIError, bad_request, internal, not_found, overloaded, unauthorized
 from .http_input import read_json, validation_error, wait_disconnect
 from .metrics import MetricsMiddleware, ServerMetrics
@@ -51,6 +51,7 @@ class ServerConfig:
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    access_log.install()  # the page's `/?key=` must not reach the access log
     metrics = ServerMetrics()
     scheduler = Scheduler(engine, metrics, config.max_queue, config.max_batch)
     metrics.watch(lambda: scheduler.queue_depth, lambda: scheduler.active, lambda: scheduler.kv_bytes,
