@@ -67,11 +67,13 @@ def test_storage_flags_reach_the_settings():
     assert (s.remote_ttl, s.prefetch_depth, s.layerwise) == (60, 3, False)
 
 
-def test_put_precomputes_documents_into_the_disk_tier(tmp_path, capsys):
+@pytest.mark.parametrize("file_end", ["", "\n", "\r\n\n"])
+def test_put_precomputes_documents_into_the_disk_tier(tmp_path, capsys, file_end):
+    texts = ["Marrowick is a town on the Tesk river.", "The Tesk rises in the Ollin hills."]
     docs = []
-    for i, text in enumerate(["Marrowick is a town on the Tesk river.", "The Tesk rises in the Ollin hills."]):
+    for i, text in enumerate(texts):
         docs.append(tmp_path / f"d{i}.txt")
-        docs[-1].write_text(text)
+        docs[-1].write_bytes((text + file_end).encode())  # an editor's trailing newline is no part of it
     kv = tmp_path / "kv"
     assert main(["store", "put", *map(str, docs), "--local-disk", str(kv), "--no-local-cpu"]) == 0
     assert "stored 2 new chunks" in capsys.readouterr().out
@@ -83,7 +85,7 @@ def test_put_precomputes_documents_into_the_disk_tier(tmp_path, capsys):
 
     llm = LLM(local_disk=str(kv), local_cpu=False)
     out = llm.generate("Where does the Tesk rise?", SamplingParams(max_tokens=2),
-                       documents=[p.read_text() for p in docs])[0]
+                       documents=texts)[0]
     assert out.metrics.chunk_tiers == ["prefix", "disk"] and out.metrics.prefix_hit_tokens > 0
 
 

@@ -31,6 +31,12 @@ def _tiers(store: TieredStore, name: str | None):
     return tiers
 
 
+def document_text(path: Path) -> str:
+    """A file's document: its text without the newline(s) editors end a file with, so that a client
+    sending the same text without them hits the same chunk."""
+    return path.read_text(encoding="utf-8").rstrip("\r\n")
+
+
 def cmd_put(settings: Settings, files: list[str], data: str | None, limit: int | None) -> int:
     from ..api import LLM
     from ..eval.datasets import load_dataset
@@ -45,7 +51,7 @@ def cmd_put(settings: Settings, files: list[str], data: str | None, limit: int |
               file=sys.stderr)
     prompts = []
     if files:
-        docs = [Path(f).read_text(encoding="utf-8") for f in files]
+        docs = [document_text(Path(f)) for f in files]
         prompts += [llm.rag_prompt_ids("", [doc]) for doc in docs]
     if data:
         prompts += [prompt_ids(engine, record) for record in load_dataset(data, limit=limit)]
