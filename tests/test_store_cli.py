@@ -32,10 +32,12 @@ def test_verify_deletes_bad_entries_and_keeps_good_ones(tmp_path, capsys):
     keys = engine.store.tier("disk").keys()
     damage(engine, "disk", "corrupt", keys[0])
     damage(engine, "disk", "truncate", keys[1])
-    assert main(["store", "verify", "--local-disk", str(tmp_path / "kv")]) == 0
+    assert main(["store", "verify", "--local-disk", str(tmp_path / "kv")]) == 1  # a script sees the fault
     out = capsys.readouterr().out
     assert "4 good, 2 bad (deleted)" in out and "checksum mismatch" in out
     assert sorted(p.stem for p in (tmp_path / "kv").iterdir()) == sorted(keys[2:])
+    assert main(["store", "verify", "--local-disk", str(tmp_path / "kv")]) == 0  # what is left is good
+    assert "4 good, 0 bad" in capsys.readouterr().out
 
 
 def test_evict_by_prefix_and_all(tmp_path, capsys):

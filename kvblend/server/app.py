@@ -56,6 +56,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     scheduler = Scheduler(engine, metrics, config.max_queue, config.max_batch)
     metrics.watch(lambda: scheduler.queue_depth, lambda: scheduler.active, lambda: scheduler.kv_bytes,
                   lambda: engine.store.used_bytes, lambda: len(engine.store))
+    metrics.watch_store(engine.store.stats)
     tokenizer = engine.tokenizer
     chunks: dict[str, dict] = {}  # key -> {key, namespace, n_tokens, created}: what /v1/chunks stored
     if tokenizer is not None and not prompts.has_chat_template(tokenizer):
@@ -190,6 +191,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if not collect.done():  # the client left: stop computing for it
             req.cancel()
             collect.cancel()
+            stream.client_left()
             return Response(status_code=499)
         return JSONResponse(collect.result())
 

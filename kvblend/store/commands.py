@@ -126,4 +126,4 @@ def cmd_verify(settings: Settings, tier: str | None) -> int:
                 bad += 1
                 print(f"{t.name} {key}: {e.reason}, deleted")
     print(f"{good} good, {bad} bad (deleted)")
-    return 0
+    return 1 if bad else 0  # a script or cron job sees that the store held bad entries
