@@ -48,6 +48,7 @@ class ServerConfig:
     max_documents: int = 64  # per request
     max_body_bytes: int = 8 << 20
     completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
+    catch_up_s: float = 5.0  # how often writes a tier missed while down (Redis) are tried again
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
@@ -62,10 +63,19 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     if tokenizer is not None and not prompts.has_chat_template(tokenizer):
         log.warning("the tokenizer has no chat template: chat requests use kvblend's plain role-header template")
 
+    async def catch_up():
+        """Writes lost while a tier (Redis) was down go to it once it is back."""
+        while True:
+            await asyncio.sleep(config.catch_up_s)
+            if engine.store.catch_up():
+                log.info("store: writing again what a tier missed while it was down")
+
     @asynccontextmanager
     async def lifespan(_app):
         scheduler.start()
+        catching_up = asyncio.create_task(catch_up())
         yield
+        catching_up.cancel()
         scheduler.stop()
 
     app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -240,8 +250,14 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         data = []
         for key, n in keys:
             chunks.setdefault(key, {"key": key, "namespace": ns, "n_tokens": n, "created": now})
-            data.append({"key": key, "n_tokens": n, "stored": key in engine.store})
-        return {"object": "list", "data": data, "stored_new": stored, "namespace": ns}
+            tiers = await asyncio.to_thread(engine.store.holding, key)
+            # stored: in every configured tier, so a replica on the same Redis hits it too.
+            data.append({"key": key, "n_tokens": n, "stored": len(tiers) == len(engine.store.tiers), "tiers": tiers})
+        owed = engine.store.missed_by(k for k, _ in keys)
+        if owed:
+            log.warning("chunks: %s down; %d chunks held in %s, written to it when it is back", ", ".join(owed),
+                        len(keys), ", ".join(sorted({t for d in data for t in d["tiers"]})) or "no tier")
+        return {"object": "list", "data": data, "stored_new": stored, "namespace": ns, "catch_up_tiers": owed}
 
     @app.get("/v1/chunks")
     async def list_chunks(namespace_: str | None = Query(None, alias="namespace", pattern=NAMESPACE_PATTERN),

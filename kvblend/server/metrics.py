@@ -130,3 +130,6 @@ class _StoreCollector:
         for name, text in _STORE_COUNTERS.items():
             if name in store:
                 yield CounterMetricFamily(f"kvblend_store_{name}", f"store: {text}", value=store[name])
+        if "catch_up_pending" in store:
+            yield GaugeMetricFamily("kvblend_store_catch_up_pending", "store: writes owed to a tier that was down",
+                                    value=store["catch_up_pending"])
