@@ -132,6 +132,11 @@ class Settings(BaseSettings):
 
     # Storage (DESIGN.md section 2).
     namespace: str = Field(default="default", min_length=1)
+    # A namespace every request also reads and never writes: a chunk or prefix block missing from the
+    # request's own namespace is looked up there. How an operator publishes a collection that
+    # tenants (one namespace per API key) all hit: `kvblend store put --namespace NAME`, then serve
+    # with `--shared-namespace NAME`.
+    shared_namespace: str | None = Field(default=None, min_length=1)
     chunk_size: int = Field(default=256, gt=0, validation_alias=_env("chunk_size", "LMCACHE_CHUNK_SIZE"))
     local_cpu: bool = Field(default=True, validation_alias=_env("local_cpu", "LMCACHE_LOCAL_CPU"))
     max_local_cpu_size: float = Field(

@@ -5,9 +5,11 @@ plan (prefix cache, chunk store) -> prefill in the request's mode -> decode -> s
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 
 import torch
@@ -94,6 +96,7 @@ class Engine:
         self.sep_ids = sep_ids or separator_ids(self.tokenizer, s.separator)
         self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos,
                               s.kv_int8, self.sep_ids)
+        self.keys.shared = self._shared_keys(self.keys)
         index_path = s.neighbour_index_path()
         if s.neighbour_context and index_path is not None and index_path.exists():
             self.use_neighbours(NeighbourIndex.load(index_path))
@@ -118,6 +121,28 @@ class Engine:
         is less stale, so blend damps it less (the model's measured scale)."""
         self.keys.neighbours = index
         self.blend_cfg = replace(self.blend_cfg, stale_key_scale=self._stale_key_scale(neighbours=True))
+
+    def _shared_keys(self, keys: KeyScheme) -> KeyScheme | None:
+        """The shared namespace's keys beside `keys` (None: no shared namespace, or it is this one)."""
+        name = self.settings.shared_namespace
+        if name is None or name == keys.namespace:
+            return None
+        shared = copy.copy(keys)
+        shared.namespace, shared.shared = name, None
+        return shared
+
+    @contextmanager
+    def namespace(self, name: str):
+        """Chunk and prefix keys of namespace `name` for the calls inside, so that tenants never
+        share cached KV. The engine is used by one thread at a time, so swapping is safe."""
+        keys = copy.copy(self.keys)  # cheap: a few fields (no cache per namespace to grow unbounded)
+        keys.namespace = name
+        keys.shared = self._shared_keys(keys)
+        saved, self.keys = self.keys, keys
+        try:
+            yield
+        finally:
+            self.keys = saved
 
     def index_collection(self, prompts: list[list[int]]) -> int:
         """Add the chunks of these prompts (token ids) to the neighbour index, saved where the
@@ -202,15 +227,23 @@ class Engine:
         [start, end) as prefix-cache blocks; their keys still hash every token from position 0."""
         stored = 0
         for (a, b), key in self._prefix_blocks(token_ids, seg, end):
-            if a >= start and key not in self.store:
+            if a >= start and key not in self.store and not self._shared_holds(token_ids, seg, (a, b)):
                 rows = slice(a - start, b - start)
                 self.store.put(key, ChunkKV(k[:, :, rows].clone(), v[:, :, rows].clone(), torch.arange(a, b)))
                 stored += 1
         return stored
 
+    def _shared_holds(self, token_ids: list[int], seg: Segments, block: Span) -> bool:
+        """Whether the shared namespace holds this exact block already (no copy is kept here)."""
+        if self.keys.shared is None:
+            return False
+        bounds = [b for b in block_bounds(seg, self.keys.block, block[1]) if b[1] <= block[1]]
+        return self.keys.shared.prefix_keys(token_ids, bounds)[-1] in self.store
+
     def blocks_missing(self, token_ids: list[int], seg: Segments, end: int, start: int = 0) -> bool:
         """Whether any prefix-cache block of rows [start, end) is not stored yet."""
-        return any(key not in self.store for (a, _), key in self._prefix_blocks(token_ids, seg, end) if a >= start)
+        return any(key not in self.store and not self._shared_holds(token_ids, seg, span)
+                   for span, key in self._prefix_blocks(token_ids, seg, end) if span[0] >= start)
 
     def _prefix_blocks(self, token_ids: list[int], seg: Segments, end: int) -> list[tuple[Span, str]]:
         bounds = [b for b in block_bounds(seg, self.keys.block, end) if b[1] <= end]

@@ -15,14 +15,12 @@ went away, or a stop string ended it) leaves the batch at the next step and its 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -229,18 +227,9 @@ class Scheduler:
             else:
                 item.emit(Failed(503, "the server is shutting down"))
 
-    @contextmanager
     def _namespace(self, namespace: str):
-        """Chunk and prefix keys of this request's namespace. Only this thread uses the engine, so
-        swapping its key scheme for one call is safe; tenants never share cached KV."""
-        engine = self.engine
-        keys = copy.copy(engine.keys)  # cheap: a few fields (no cache per namespace to grow unbounded)
-        keys.namespace = namespace
-        saved, engine.keys = engine.keys, keys
-        try:
-            yield
-        finally:
-            engine.keys = saved
+        """The engine under this namespace's keys: tenants never share cached KV."""
+        return self.engine.namespace(namespace)
 
     def namespaced(self, namespace: str, fn: Callable[[Engine], object]) -> Callable[[Engine], object]:
         """A job function run under `namespace`'s keys."""
