@@ -120,9 +120,10 @@ class Settings(BaseSettings):
     # When a collection is known (`kvblend store put`, `eval`, `demo`, LLM.store_documents), each of
     # its chunks is precomputed after its most similar other chunk (README, "Closing the gap").
     neighbour_context: bool = True
-    # Where that index is kept (JSON), so later processes look chunks up by the same neighbours.
-    # None: `neighbours.json` in local_disk when there is one, else in this process only. An
-    # Engine loads it at start when the file exists.
+    # Where the index of `namespace` is kept (JSON), so later processes look chunks up by the same
+    # neighbours. None: in local_disk (`neighbours.json` for the `default` namespace,
+    # `neighbours/<namespace>.json` for others) and in Redis (a key per namespace) when configured,
+    # else in this process only. Every namespace has its own index, kept the same way.
     neighbour_index: str | None = None
     # Precompute also stores each chunk exact as it stands first in a prompt (right after the
     # prefix) in the prefix cache, so a prompt's first chunk is never stale: one more encode per
@@ -161,9 +162,12 @@ class Settings(BaseSettings):
     loading_controller: bool = False
 
     def neighbour_index_path(self) -> Path | None:
+        """The file of this namespace's neighbour index (Redis, when configured, keeps it too)."""
         if self.neighbour_index is not None:
             return Path(self.neighbour_index)
-        return Path(self.local_disk) / "neighbours.json" if self.local_disk else None
+        from .store.index_store import namespace_file
+
+        return namespace_file(Path(self.local_disk), self.namespace) if self.local_disk else None
 
     @field_validator("mode", mode="before")
     @classmethod

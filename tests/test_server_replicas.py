@@ -3,6 +3,7 @@
 Both replicas are real subprocesses (the command a user runs) loading one tiny model folder, so
 their model fingerprints, and so their cache keys, agree only because the weights do."""
 
+import hashlib
 import time
 
 import httpx
@@ -60,6 +61,9 @@ def test_a_document_stored_through_one_replica_is_a_hit_on_the_other(replicas):
     # /v1/chunks answers once its chunks are written behind to Redis too (a header is written last).
     keys = [d["key"] for d in r.json()["data"]]
     assert all(redis.client().exists(f"kvblend:{key}:h") for key in keys)
+    # Indexed in the key's namespace, in Redis: B looks the chunks up by the neighbours A chose.
+    ns = "key-" + hashlib.sha256(KEYS["alice"].encode()).hexdigest()[:16] + "/kb"
+    assert redis.client().exists(f"kvblend:neighbours:{ns}")
     on_b = complete(b, namespace="kb")
     assert on_b["kvblend"]["chunk_hits"] == len(DOCS) and on_b["kvblend"]["chunk_misses"] == 0, on_b["kvblend"]
     assert on_b["kvblend"]["reused_tokens"] > 0

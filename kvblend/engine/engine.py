@@ -11,12 +11,14 @@ import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from ..blend.controller import LoadingController
 from ..blend.encode import encode_chunks
 from ..blend.fusor import MODES, BlendConfig, PrefillOutput, PrefillStats, prefill
+from ..blend.namespace_indexes import NamespaceIndexes
 from ..blend.neighbours import NeighbourIndex
 from ..blend.plan import KeyScheme, Plan, block_bounds, make_plan
 from ..blend.segment import Segments, Span, segment, separator_ids
@@ -27,6 +29,7 @@ from ..model.rotary import check_rerotation
 from ..model.runner import Runner
 from ..store.chunk_kv import ChunkKV
 from ..store.entry_format import BadEntry, EntrySpec, dtype_name
+from ..store.index_store import build_index_store
 from ..store.int8 import quantize
 from ..store.tiered import build_store
 from .sampler import Sampler, SamplingParams
@@ -96,13 +99,14 @@ class Engine:
         self.sep_ids = sep_ids or separator_ids(self.tokenizer, s.separator)
         self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos,
                               s.kv_int8, self.sep_ids)
-        self.keys.shared = self._shared_keys(self.keys)
-        index_path = s.neighbour_index_path()
-        if s.neighbour_context and index_path is not None and index_path.exists():
-            self.use_neighbours(NeighbourIndex.load(index_path))
         r = self.runner
         self.spec = EntrySpec(model.fingerprint, dtype_name(model.dtype), r.n_layers, r.n_kv_heads, r.head_dim)
         self.store = build_store(s, self.spec)
+        # Each namespace's neighbour index, kept beside the store's entries (Redis, local_disk).
+        own = (s.namespace, Path(s.neighbour_index)) if s.neighbour_index is not None else None
+        self.indexes = (NamespaceIndexes(build_index_store(self.store.tier("redis"), s.local_disk, own))
+                        if s.neighbour_context else None)
+        self._bind(self.keys)
         self.prefetch_depth = s.prefetch_depth if s.layerwise else 0
         self.controller = LoadingController(self.store) if s.loading_controller else None
         self.store.pick_by_bandwidth = s.loading_controller
@@ -117,10 +121,24 @@ class Engine:
         return s if s is not None else stale_key_scale_for(self.settings.model, neighbours)
 
     def use_neighbours(self, index: NeighbourIndex) -> None:
-        """Precompute and look up the indexed collection's chunks after their neighbours; their KV
-        is less stale, so blend damps it less (the model's measured scale)."""
+        """Precompute and look up chunks of the current namespace after their neighbours in this
+        index (kept in this process only); their KV is less stale, so blend damps it less."""
         self.keys.neighbours = index
-        self.blend_cfg = replace(self.blend_cfg, stale_key_scale=self._stale_key_scale(neighbours=True))
+        self._damp(self.keys)
+
+    def _damp(self, keys: KeyScheme) -> None:
+        """Chunks precomputed after neighbours are less stale: blend damps them by the model's
+        measured neighbour scale when the namespace (or the shared one) has an index."""
+        indexed = keys.neighbours is not None or (keys.shared is not None and keys.shared.neighbours is not None)
+        self.blend_cfg = replace(self.blend_cfg, stale_key_scale=self._stale_key_scale(neighbours=indexed))
+
+    def _bind(self, keys: KeyScheme) -> None:
+        """Give `keys` its namespace's neighbour index and the shared namespace's keys, as stored now."""
+        keys.neighbours = self.indexes.get(keys.namespace) if self.indexes is not None else None
+        keys.shared = self._shared_keys(keys)
+        if keys.shared is not None:
+            keys.shared.neighbours = self.indexes.get(keys.shared.namespace) if self.indexes is not None else None
+        self._damp(keys)
 
     def _shared_keys(self, keys: KeyScheme) -> KeyScheme | None:
         """The shared namespace's keys beside `keys` (None: no shared namespace, or it is this one)."""
@@ -133,28 +151,26 @@ class Engine:
 
     @contextmanager
     def namespace(self, name: str):
-        """Chunk and prefix keys of namespace `name` for the calls inside, so that tenants never
-        share cached KV. The engine is used by one thread at a time, so swapping is safe."""
-        keys = copy.copy(self.keys)  # cheap: a few fields (no cache per namespace to grow unbounded)
-        keys.namespace = name
-        keys.shared = self._shared_keys(keys)
-        saved, self.keys = self.keys, keys
+        """Chunk and prefix keys, and the neighbour index, of namespace `name` for the calls inside,
+        so that tenants never share cached KV or each other's chunks as context. The engine is used
+        by one thread at a time, so swapping is safe."""
+        saved = self.keys, self.blend_cfg
+        self.keys = copy.copy(self.keys)  # cheap: a few fields (no cache per namespace to grow unbounded)
+        self.keys.namespace = name
+        self._bind(self.keys)
         try:
             yield
         finally:
-            self.keys = saved
+            self.keys, self.blend_cfg = saved
 
     def index_collection(self, prompts: list[list[int]]) -> int:
-        """Add the chunks of these prompts (token ids) to the neighbour index, saved where the
-        settings say; returns how many chunks were new. A no-op when neighbour_context is off."""
-        if not self.settings.neighbour_context:
+        """Add the chunks of these prompts (token ids) to the current namespace's neighbour index,
+        kept where the store keeps its entries; returns how many chunks were new. A no-op when
+        neighbour_context is off."""
+        if self.indexes is None:
             return 0
-        index = self.keys.neighbours or NeighbourIndex()
         chunks = [ids[a:b] for ids in prompts for a, b in self.segments(ids).chunks]
-        new = index.add(chunks)
-        path = self.settings.neighbour_index_path()
-        if path is not None and new:
-            index.save(path)
+        new, index = self.indexes.add(self.keys.namespace, chunks)
         self.use_neighbours(index)
         return new
 

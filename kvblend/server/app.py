@@ -233,6 +233,9 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         ns = namespace(base, body.namespace)
 
         def precompute(eng: Engine):
+            # The documents join the namespace's collection: each is precomputed after its most
+            # similar chunk of this namespace (never another's), found again by every replica.
+            eng.index_collection([ids])
             stored = eng.precompute(ids, seg)
             context = eng.keys.context_ids(ids, seg)
             return stored, [(eng.keys.chunk_key(ids[a:b], context), b - a) for a, b in seg.chunks]
