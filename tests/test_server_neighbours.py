@@ -119,3 +119,22 @@ def test_a_corrupt_index_is_logged_and_its_chunks_served_plain(tmp_path, caplog)
         assert post(url, "bob", BOB)["stored_new"] == 0
         assert ask(url, "bob", BOB[::-1])["chunk_hits"] == 4
     again.close()
+
+
+def test_documents_first_met_in_a_request_are_indexed_for_the_next(tmp_path, leads):
+    engine = tiny_engine()
+    with live_server(engine, api_keys=list(KEYS.values())) as (url, _app):
+        first = ask(url, "bob", BOB)
+        assert first["chunk_hits"] == 0 and first["chunk_misses"] == len(BOB)
+        # After the answer, the documents joined Bob's collection and were precomputed after
+        # their neighbours there; the next request with them, in any order, hits them all.
+        again = ask(url, "bob", BOB[::-1])
+        assert again["chunk_hits"] == len(BOB) and again["chunk_misses"] == 0
+        bob = ids_of(BOB)
+        assert sorted(engine.indexes.get(namespace_of("bob")).chunks) == sorted(bob)
+        after = {tuple(chunk): lead[:-len(engine.sep_ids)] for chunk, lead in leads if lead}
+        assert [after.get(tuple(c)) for c in bob] == [bob[3], bob[2], bob[1], bob[0]]
+        # Alice never met them: nothing of Bob's is in her collection or her cache.
+        assert engine.indexes.get(namespace_of("alice")) is None
+        assert ask(url, "alice", BOB)["chunk_hits"] == 0
+    engine.close()

@@ -326,15 +326,33 @@ class Engine:
         out.update(zip(rest, encode_chunks(self.runner, context, [todo[k] for k in rest], [leads[k] for k in rest])))
         return out
 
-    def store_after(self, token_ids: list[int], plan: Plan, out: PrefillOutput, mode: str) -> None:
-        """Keep what this request computed exactly, and the chunks it missed (standalone)."""
+    def store_after(self, token_ids: list[int], plan: Plan, out: PrefillOutput, mode: str,
+                    misses: bool = True) -> list[Span]:
+        """Keep what this request computed exactly, and (with `misses`) the chunks it missed, as
+        store_misses does. Returns the spans of the missed chunks (a caller storing them later
+        passes them to store_misses)."""
         if mode == "full":
-            return
+            return []
         reused = plan.reused_mask()
         exact_end = int(reused.nonzero()[0]) if bool(reused.any()) else plan.n_tokens
         self.store_prefix(token_ids, plan.segments, out.cache.k, out.cache.v, exact_end)
-        if any(c.note is None for c in plan.misses):  # chunks the controller chose to recompute are stored
-            self.precompute(token_ids, plan.segments)
+        missed = [c.span for c in plan.misses if c.note is None]  # the controller's recomputes are stored
+        if missed and misses:
+            self.store_misses(token_ids, missed, plan.segments)
+        return missed
+
+    def store_misses(self, token_ids: list[int], missed: list[Span], seg: Segments | None = None) -> int:
+        """Documents first met in a request join the current namespace's collection: the chunks
+        that missed are indexed (each after its most similar chunk of this namespace, the
+        request's other documents included) and precomputed, so the next request with them
+        gets indexed chunks. Returns chunks stored."""
+        seg = seg or self.segments(token_ids)
+        chunks = [token_ids[a:b] for a, b in missed]
+        if self.indexes is not None and chunks:
+            new, index = self.indexes.add(self.keys.namespace, chunks)
+            if new:
+                self.use_neighbours(index)
+        return self.precompute(token_ids, seg)
 
     # ---- generation ------------------------------------------------------------------------
 
