@@ -172,8 +172,9 @@ class IndexStore:
 
     def update(self, ns: str, fn: Callable[[str | None], str | None]) -> str | None:
         """fn(current text or None) -> new text (None: unchanged, nothing written), atomic in the
-        first place that answers, then copied to the others. A place empty where another holds the index (Redis restarted without
-        persistence) starts from that other one's text, so nothing indexed is lost."""
+        first place that answers, then copied to the others. A place empty where another holds
+        the index (Redis restarted without persistence) starts from that other one's text, so
+        nothing indexed is lost."""
         for i, place in enumerate(self.places):
             rest = self.places[i + 1:]
             try:
