@@ -55,6 +55,8 @@ def test_every_tenant_reads_the_published_collection_and_none_writes_it(tmp_path
             assert got["chunk_tiers"][0] == "prefix" and got["prefix_hit_tokens"] > 0
         # A document first met in a tenant's request is stored in that tenant's namespace only.
         assert ask(url, KEYS[0], [DOCS[0], NEW])["chunk_misses"] == 1
+        # Stored after the answer; a later request is served after that (one queue, in order).
+        assert ask(url, KEYS[0], [DOCS[0], NEW])["chunk_misses"] == 0
         engine.store.flush()
         alice = "key-" + hashlib.sha256(KEYS[0].encode()).hexdigest()[:16]  # her key's namespace
         assert chunk_key(engine, alice, NEW) in engine.store
