@@ -58,8 +58,9 @@ def cmd_put(settings: Settings, files: list[str], data: str | None, limit: int |
     # Everything given is one collection: its neighbours are chosen before any chunk is encoded.
     indexed = engine.index_collection(prompts)
     if indexed:
-        print(f"indexed {indexed} chunks' neighbours into {settings.neighbour_index_path() or 'memory only'}",
-              file=sys.stderr)
+        where = [p for p in ("Redis" if settings.remote_url else None, settings.neighbour_index_path()) if p]
+        print(f"indexed {indexed} chunks' neighbours of namespace {settings.namespace!r} into "
+              f"{' and '.join(map(str, where)) or 'memory only'}", file=sys.stderr)
     stored = 0
     for ids in tqdm(prompts, desc="documents" if not data else "prompts", unit="prompt"):
         stored += engine.precompute(ids)
