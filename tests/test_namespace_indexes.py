@@ -77,6 +77,7 @@ def test_a_corrupt_or_missing_index_loses_nothing(place, how, caplog):
         engine.index_collection([ids])
         engine.precompute(ids)
         assert engine.plan(ids, "blend").hits == 3
+    engine.close()  # its writes behind reach disk or Redis before the restart looks
     if how == "corrupt":
         corrupt(engine, "kb")
     else:
