@@ -46,6 +46,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--exact-first-chunk", action=argparse.BooleanOptionalAction, default=None,
                    help="precompute also stores each chunk exact as a prompt's first chunk (default: on)")
     p.add_argument("--separator")
+    p.add_argument("--namespace", help="the cache namespace chunks are stored in and read from (default: default)")
+    p.add_argument("--shared-namespace",
+                   help="a namespace also read, never written: a collection published with "
+                        "`kvblend store put --namespace NAME` that every API key's requests hit")
     _add_store_flags(p)
 
 
@@ -83,6 +87,7 @@ def _settings(args):
                          probe_suffix_tokens=args.probe_suffix_tokens, chunk_context=args.chunk_context,
                          neighbour_context=args.neighbour_context, neighbour_index=args.neighbour_index,
                          exact_first_chunk=args.exact_first_chunk, separator=args.separator,
+                         namespace=args.namespace, shared_namespace=args.shared_namespace,
                          **{name: getattr(args, name) for name in _STORE_FIELDS})
 
 

@@ -34,6 +34,12 @@ def _tiers(store: TieredStore, name: str | None):
     return tiers
 
 
+def document_text(path: Path) -> str:
+    """A file's document: its text without the newline(s) editors end a file with, so that a client
+    sending the same text without them hits the same chunk."""
+    return path.read_text(encoding="utf-8").rstrip("\r\n")
+
+
 def cmd_put(settings: Settings, files: list[str], data: str | None, limit: int | None) -> int:
     from .api import LLM
     from .eval.datasets import load_dataset
@@ -48,15 +54,16 @@ def cmd_put(settings: Settings, files: list[str], data: str | None, limit: int |
               file=sys.stderr)
     prompts = []
     if files:
-        docs = [Path(f).read_text(encoding="utf-8") for f in files]
+        docs = [document_text(Path(f)) for f in files]
         prompts += [llm.rag_prompt_ids("", [doc]) for doc in docs]
     if data:
         prompts += [prompt_ids(engine, record) for record in load_dataset(data, limit=limit)]
     # Everything given is one collection: its neighbours are chosen before any chunk is encoded.
     indexed = engine.index_collection(prompts)
     if indexed:
-        print(f"indexed {indexed} chunks' neighbours into {settings.neighbour_index_path() or 'memory only'}",
-              file=sys.stderr)
+        where = [p for p in ("Redis" if settings.remote_url else None, settings.neighbour_index_path()) if p]
+        print(f"indexed {indexed} chunks' neighbours of namespace {settings.namespace!r} into "
+              f"{' and '.join(map(str, where)) or 'memory only'}", file=sys.stderr)
     stored = 0
     for ids in tqdm(prompts, desc="documents" if not data else "prompts", unit="prompt"):
         stored += engine.precompute(ids)
@@ -123,4 +130,4 @@ def cmd_verify(settings: Settings, tier: str | None) -> int:
                 bad += 1
                 print(f"{t.name} {key}: {e.reason}, deleted")
     print(f"{good} good, {bad} bad (deleted)")
-    return 0
+    return 1 if bad else 0  # a script or cron job sees that the store held bad entries

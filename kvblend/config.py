@@ -29,6 +29,7 @@ from __future__ import annotations
 from contextvars import ContextVar
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import quote
 
 import yaml
 from pydantic import AliasChoices, Field, field_validator, model_validator
@@ -64,6 +65,14 @@ def _split_list(value: Any) -> Any:
     if isinstance(value, (int, float)):
         return [value]
     return value
+
+
+def namespace_file(folder: Path, ns: str) -> Path:
+    """Where a namespace's neighbour index lives in a folder: `neighbours.json` for `default`,
+    `neighbours/<namespace, %-quoted>.json` for the others (quoted: no '/' or '..' leaves it)."""
+    if ns == "default":
+        return folder / "neighbours.json"
+    return folder / "neighbours" / (quote(ns, safe="") + ".json")
 
 
 class Settings(BaseSettings):
@@ -120,9 +129,10 @@ class Settings(BaseSettings):
     # When a collection is known (`kvblend store put`, `eval`, `demo`, LLM.store_documents), each of
     # its chunks is precomputed after its most similar other chunk (docs/experiments.md#chunk-context).
     neighbour_context: bool = True
-    # Where that index is kept (JSON), so later processes look chunks up by the same neighbours.
-    # None: `neighbours.json` in local_disk when there is one, else in this process only. An
-    # Engine loads it at start when the file exists.
+    # Where the index of `namespace` is kept (JSON), so later processes look chunks up by the same
+    # neighbours. None: in local_disk (`neighbours.json` for the `default` namespace,
+    # `neighbours/<namespace>.json` for others) and in Redis (a key per namespace) when configured,
+    # else in this process only. Every namespace has its own index, kept the same way.
     neighbour_index: str | None = None
     # Precompute also stores each chunk exact as it stands first in a prompt (right after the
     # prefix) in the prefix cache, so a prompt's first chunk is never stale: one more encode per
@@ -132,6 +142,11 @@ class Settings(BaseSettings):
 
     # Storage (docs/storage.md).
     namespace: str = Field(default="default", min_length=1)
+    # A namespace every request also reads and never writes: a chunk or prefix block missing from the
+    # request's own namespace is looked up there. How an operator publishes a collection that
+    # tenants (one namespace per API key) all hit: `kvblend store put --namespace NAME`, then serve
+    # with `--shared-namespace NAME`.
+    shared_namespace: str | None = Field(default=None, min_length=1)
     chunk_size: int = Field(default=256, gt=0, validation_alias=_env("chunk_size", "LMCACHE_CHUNK_SIZE"))
     local_cpu: bool = Field(default=True, validation_alias=_env("local_cpu", "LMCACHE_LOCAL_CPU"))
     max_local_cpu_size: float = Field(
@@ -161,9 +176,10 @@ class Settings(BaseSettings):
     loading_controller: bool = False
 
     def neighbour_index_path(self) -> Path | None:
+        """The file of this namespace's neighbour index (Redis, when configured, keeps it too)."""
         if self.neighbour_index is not None:
             return Path(self.neighbour_index)
-        return Path(self.local_disk) / "neighbours.json" if self.local_disk else None
+        return namespace_file(Path(self.local_disk), self.namespace) if self.local_disk else None
 
     @field_validator("mode", mode="before")
     @classmethod

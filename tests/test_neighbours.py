@@ -5,6 +5,7 @@ import torch
 from test_blend_invariants import PREFIX, SEP, SUFFIX, chunks, make_engine, prefill, prompt
 
 from kvblend.blend.neighbours import NeighbourIndex
+from kvblend.engine.sampler import SamplingParams
 from kvblend.blend.segment import join_segments
 from kvblend.model.aliases import stale_key_scale_for
 
@@ -101,3 +102,17 @@ def test_a_second_engine_loads_the_saved_index_and_hits_the_stored_chunks(tmp_pa
     assert len(second.keys.neighbours) == 3
     plan = second.plan(prompt(cs[::-1]), "blend")
     assert plan.hits == 3
+
+
+def test_chunks_first_met_in_a_request_join_the_collection_after_the_answer():
+    cs = chunks(3, seed=7)
+    cs[1] = cs[0][:12] + cs[1][12:]  # 0 and 1: each other's neighbour
+    engine = make_engine(chunk_context="prefix", exact_first_chunk=False)
+    out = engine.generate(prompt(cs), SamplingParams(max_tokens=2))
+    assert out.metrics.chunk_tiers == ["miss"] * 3
+    index = engine.keys.neighbours
+    assert index is not None and len(index) == 3 and index.neighbour_of(cs[1]) == cs[0]
+    # Stored after their neighbours: the next request, in another order, hits every one.
+    plan = engine.plan(prompt(cs[::-1]), "blend")
+    assert plan.hits == 3 and engine.keys.lead_ids(cs[1]) == cs[0] + SEP
+    assert engine.keys.chunk_key(cs[1], PREFIX + SEP) in engine.store

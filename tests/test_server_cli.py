@@ -19,5 +19,10 @@ def test_kvblend_serve_runs_a_model_folder(tmp_path):
         r = httpx.post(url + "/v1/completions", headers=auth, timeout=60,
                        json={"model": "tiny", "prompt": "Hello", "max_tokens": 3, "temperature": 0})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] >= 1
+        # The page's link form carries the key in the URL: the access log shows the request, not the key.
+        assert httpx.get(url + "/?key=sk-1&question=hi").status_code == 200
     finally:
         stop(proc)
+    log = proc.stdout.read()
+    assert "GET /?key=***&question=hi" in log, log
+    assert "sk-1" not in log

@@ -129,3 +129,11 @@ def test_errors_are_openai_errors(server, client):
     wrong_key = openai.OpenAI(base_url=server[0] + "/v1", api_key="sk-wrong", max_retries=0)
     with pytest.raises(openai.AuthenticationError):
         wrong_key.models.list()
+
+
+def test_models_retrieve_names_the_served_model_and_404s_an_unknown_one(client):
+    card = client.models.retrieve(MODEL_NAME)
+    assert card.id == MODEL_NAME and card.object == "model" and card.owned_by == "kvblend"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.models.retrieve("org/no-such-model")
+    assert e.value.code == "model_not_found" and "no-such-model" in e.value.message

@@ -3,6 +3,7 @@
 Both replicas are real subprocesses (the command a user runs) loading one tiny model folder, so
 their model fingerprints, and so their cache keys, agree only because the weights do."""
 
+import hashlib
 import time
 
 import httpx
@@ -60,6 +61,9 @@ def test_a_document_stored_through_one_replica_is_a_hit_on_the_other(replicas):
     # /v1/chunks answers once its chunks are written behind to Redis too (a header is written last).
     keys = [d["key"] for d in r.json()["data"]]
     assert all(redis.client().exists(f"kvblend:{key}:h") for key in keys)
+    # Indexed in the key's namespace, in Redis: B looks the chunks up by the neighbours A chose.
+    ns = "key-" + hashlib.sha256(KEYS["alice"].encode()).hexdigest()[:16] + "/kb"
+    assert redis.client().exists(f"kvblend:neighbours:{ns}")
     on_b = complete(b, namespace="kb")
     assert on_b["kvblend"]["chunk_hits"] == len(DOCS) and on_b["kvblend"]["chunk_misses"] == 0, on_b["kvblend"]
     assert on_b["kvblend"]["reused_tokens"] > 0
@@ -106,3 +110,29 @@ def test_chunks_answer_after_a_slow_redis_has_them(redis_server):  # noqa: F811
             "model": MODEL_NAME, "prompt": "Q?", "max_tokens": 2, "temperature": 0, "documents": DOCS}).json()
         assert hit["kvblend"]["chunk_hits"] == len(DOCS)
     engine.close()  # its last writes land before the Redis fixture stops
+
+
+def test_chunks_posted_while_redis_is_down_say_so_and_reach_it_when_it_is_back(redis_server):  # noqa: F811
+    engine = tiny_engine(remote_url=redis_server.url)
+    engine.store.tier("redis").retry_s = 0.0  # try Redis again at the next write
+    with live_server(engine, catch_up_s=0.05) as (url, _app):
+        redis_server.kill()
+        r = httpx.post(url + "/v1/chunks", json={"documents": DOCS}, timeout=60)
+        assert r.status_code == 200, r.text
+        body = r.json()
+        # This replica holds them (memory) and says so; Redis does not, yet.
+        assert body["catch_up_tiers"] == ["redis"]
+        assert [(d["stored"], d["tiers"]) for d in body["data"]] == [(False, ["memory"])] * len(DOCS)
+        keys = [d["key"] for d in body["data"]]
+        back = RedisServer(redis_server.port).start()  # back, empty
+        try:
+            deadline = time.monotonic() + 60
+            while not all(back.client().exists(f"kvblend:{k}:h") for k in keys):
+                assert time.monotonic() < deadline, "the chunks never reached Redis once it was back"
+                time.sleep(0.05)
+            again = httpx.post(url + "/v1/chunks", json={"documents": DOCS}, timeout=60).json()
+            assert again["catch_up_tiers"] == [] and all(d["stored"] for d in again["data"])
+            assert {tuple(d["tiers"]) for d in again["data"]} == {("memory", "redis")}
+        finally:
+            engine.close()
+            back.kill()

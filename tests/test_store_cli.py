@@ -32,10 +32,12 @@ def test_verify_deletes_bad_entries_and_keeps_good_ones(tmp_path, capsys):
     keys = engine.store.tier("disk").keys()
     damage(engine, "disk", "corrupt", keys[0])
     damage(engine, "disk", "truncate", keys[1])
-    assert main(["store", "verify", "--local-disk", str(tmp_path / "kv")]) == 0
+    assert main(["store", "verify", "--local-disk", str(tmp_path / "kv")]) == 1  # a script sees the fault
     out = capsys.readouterr().out
     assert "4 good, 2 bad (deleted)" in out and "checksum mismatch" in out
     assert sorted(p.stem for p in (tmp_path / "kv").iterdir()) == sorted(keys[2:])
+    assert main(["store", "verify", "--local-disk", str(tmp_path / "kv")]) == 0  # what is left is good
+    assert "4 good, 0 bad" in capsys.readouterr().out
 
 
 def test_evict_by_prefix_and_all(tmp_path, capsys):
@@ -67,11 +69,13 @@ def test_storage_flags_reach_the_settings():
     assert (s.remote_ttl, s.prefetch_depth, s.layerwise) == (60, 3, False)
 
 
-def test_put_precomputes_documents_into_the_disk_tier(tmp_path, capsys):
+@pytest.mark.parametrize("file_end", ["", "\n", "\r\n\n"])
+def test_put_precomputes_documents_into_the_disk_tier(tmp_path, capsys, file_end):
+    texts = ["Marrowick is a town on the Tesk river.", "The Tesk rises in the Ollin hills."]
     docs = []
-    for i, text in enumerate(["Marrowick is a town on the Tesk river.", "The Tesk rises in the Ollin hills."]):
+    for i, text in enumerate(texts):
         docs.append(tmp_path / f"d{i}.txt")
-        docs[-1].write_text(text)
+        docs[-1].write_bytes((text + file_end).encode())  # an editor's trailing newline is no part of it
     kv = tmp_path / "kv"
     assert main(["store", "put", *map(str, docs), "--local-disk", str(kv), "--no-local-cpu"]) == 0
     assert "stored 2 new chunks" in capsys.readouterr().out
@@ -83,7 +87,7 @@ def test_put_precomputes_documents_into_the_disk_tier(tmp_path, capsys):
 
     llm = LLM(local_disk=str(kv), local_cpu=False)
     out = llm.generate("Where does the Tesk rise?", SamplingParams(max_tokens=2),
-                       documents=[p.read_text() for p in docs])[0]
+                       documents=texts)[0]
     assert out.metrics.chunk_tiers == ["prefix", "disk"] and out.metrics.prefix_hit_tokens > 0
 
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
 
+from ..store.index_store import write_atomic
 from ..store.keys import tokens_hash
 
 FORMAT = "kvblend-neighbours-1"
@@ -61,26 +61,35 @@ class NeighbourIndex:
             self.neighbour += [int(j) if s > 0 else -1 for s, j in zip(best.tolist(), at.tolist())]
         return len(new)
 
+    def to_json(self) -> str:
+        return json.dumps({"format": FORMAT, "chunks": self.chunks, "neighbour": self.neighbour})
+
+    @classmethod
+    def from_json(cls, text: str | bytes, where: str = "neighbour index") -> "NeighbourIndex":
+        """Parse and check an index; ValueError naming `where` if it is not a whole, valid one."""
+        try:
+            data = json.loads(text)
+            chunks, neighbour = data["chunks"], data["neighbour"]
+            ok = (data.get("format") == FORMAT and len(chunks) == len(neighbour)
+                  and all(-1 <= j < len(chunks) for j in neighbour)
+                  and all(isinstance(c, list) and all(isinstance(t, int) for t in c) for c in chunks))
+        except (ValueError, KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"neighbour index {where} cannot be read: {e}") from e
+        if not ok:
+            raise ValueError(f"neighbour index {where} is not a {FORMAT} file")
+        return cls(chunks, neighbour)
+
     def save(self, path: str | Path) -> None:
         """Write atomically, so a reader never sees half an index."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"format": FORMAT, "chunks": self.chunks, "neighbour": self.neighbour}))
-        os.replace(tmp, path)
+        write_atomic(Path(path), self.to_json())
 
     @classmethod
     def load(cls, path: str | Path) -> "NeighbourIndex":
         try:
-            data = json.loads(Path(path).read_text())
-            chunks, neighbour = data["chunks"], data["neighbour"]
-            ok = (data.get("format") == FORMAT and len(chunks) == len(neighbour)
-                  and all(-1 <= j < len(chunks) for j in neighbour))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            text = Path(path).read_text()
+        except (OSError, ValueError) as e:
             raise ValueError(f"neighbour index {path} cannot be read: {e}") from e
-        if not ok:
-            raise ValueError(f"neighbour index {path} is not a {FORMAT} file")
-        return cls(chunks, neighbour)
+        return cls.from_json(text, str(path))
 
 
 def _tfidf(chunks: list[list[int]]) -> torch.Tensor:

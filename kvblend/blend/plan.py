@@ -99,6 +99,8 @@ class KeyScheme:
         self.chunk_context, self.block, self.bos_id = chunk_context, block, bos_id
         self.sep_ids = list(sep_ids or [])
         self.neighbours: NeighbourIndex | None = None  # set when a collection is indexed
+        # The shared namespace's keys (read only): where a lookup missing here looks next.
+        self.shared: KeyScheme | None = None
 
     def context_ids(self, token_ids: list[int], seg: Segments) -> list[int]:
         """The left context a chunk is precomputed after (its KV is dropped)."""
@@ -124,13 +126,22 @@ class KeyScheme:
         return prefix_block_keys(self.namespace, self.fingerprint, self.dtype, token_ids, bounds)
 
 
+def _get(store, key: str, shared_key: str | None):
+    """The entry under `key`, else under the shared namespace's key (read, never written)."""
+    kv = store.get(key)
+    return store.get(shared_key) if kv is None and shared_key is not None else kv
+
+
 def make_plan(token_ids: list[int], seg: Segments, keys: KeyScheme, store, use_prefix: bool,
               use_chunks: bool) -> Plan:
     plan = Plan(torch.tensor(token_ids, dtype=torch.long), seg)
+    shared = keys.shared
     if use_prefix:
         bounds = block_bounds(seg, keys.block, len(token_ids))
-        for span, key in zip(bounds, keys.prefix_keys(token_ids, bounds)):
-            kv = store.get(key)
+        # A block's KV is exact whichever namespace computed it: own and shared blocks may mix.
+        shared_keys = shared.prefix_keys(token_ids, bounds) if shared else [None] * len(bounds)
+        for span, key, shared_key in zip(bounds, keys.prefix_keys(token_ids, bounds), shared_keys):
+            kv = _get(store, key, shared_key)
             if kv is None:
                 break
             plan.prefix_blocks.append((span, kv))
@@ -140,9 +151,15 @@ def make_plan(token_ids: list[int], seg: Segments, keys: KeyScheme, store, use_p
     if use_chunks:
         context = keys.context_ids(token_ids, seg)
         for span in seg.chunks:
-            key = keys.chunk_key(token_ids[span[0]:span[1]], context)
+            ids = token_ids[span[0]:span[1]]
+            key = keys.chunk_key(ids, context)
             if span[1] <= plan.prefix_hit:  # looking it up would only cost a read and a promotion
                 plan.chunks.append(ChunkRef(span, key, None, exact=True))
-            else:
-                plan.chunks.append(ChunkRef(span, key, store.get(key)))  # a miss doesn't stop lookup
+                continue
+            kv = store.get(key)  # a miss doesn't stop lookup
+            if kv is None and shared is not None:
+                shared_key = shared.chunk_key(ids, context)
+                kv = store.get(shared_key)
+                key = shared_key if kv is not None else key  # a miss is stored under the own key
+            plan.chunks.append(ChunkRef(span, key, kv))
     return plan

@@ -5,16 +5,20 @@ plan (prefix cache, chunk store) -> prefill in the request's mode -> decode -> s
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
 
 import torch
 
 from ..blend.controller import LoadingController
 from ..blend.encode import encode_chunks
 from ..blend.fusor import MODES, BlendConfig, PrefillOutput, PrefillStats, prefill
+from ..blend.namespace_indexes import NamespaceIndexes
 from ..blend.neighbours import NeighbourIndex
 from ..blend.plan import KeyScheme, Plan, block_bounds, make_plan
 from ..blend.segment import Segments, Span, segment, separator_ids
@@ -25,6 +29,7 @@ from ..model.rotary import check_rerotation
 from ..model.runner import Runner
 from ..store.chunk_kv import ChunkKV
 from ..store.entry_format import BadEntry, EntrySpec, dtype_name
+from ..store.index_store import build_index_store
 from ..store.int8 import quantize
 from ..store.tiered import build_store
 from .sampler import Sampler, SamplingParams
@@ -94,12 +99,14 @@ class Engine:
         self.sep_ids = sep_ids or separator_ids(self.tokenizer, s.separator)
         self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos,
                               s.kv_int8, self.sep_ids)
-        index_path = s.neighbour_index_path()
-        if s.neighbour_context and index_path is not None and index_path.exists():
-            self.use_neighbours(NeighbourIndex.load(index_path))
         r = self.runner
         self.spec = EntrySpec(model.fingerprint, dtype_name(model.dtype), r.n_layers, r.n_kv_heads, r.head_dim)
         self.store = build_store(s, self.spec)
+        # Each namespace's neighbour index, kept beside the store's entries (Redis, local_disk).
+        own = (s.namespace, Path(s.neighbour_index)) if s.neighbour_index is not None else None
+        self.indexes = (NamespaceIndexes(build_index_store(self.store.tier("redis"), s.local_disk, own))
+                        if s.neighbour_context else None)
+        self._bind(self.keys)
         depth = r.n_layers if s.prefetch_depth is None else s.prefetch_depth
         self.prefetch_depth = depth if s.layerwise else 0
         self.controller = LoadingController(self.store) if s.loading_controller else None
@@ -115,22 +122,56 @@ class Engine:
         return s if s is not None else stale_key_scale_for(self.settings.model, neighbours)
 
     def use_neighbours(self, index: NeighbourIndex) -> None:
-        """Precompute and look up the indexed collection's chunks after their neighbours; their KV
-        is less stale, so blend damps it less (the model's measured scale)."""
+        """Precompute and look up chunks of the current namespace after their neighbours in this
+        index (kept in this process only); their KV is less stale, so blend damps it less."""
         self.keys.neighbours = index
-        self.blend_cfg = replace(self.blend_cfg, stale_key_scale=self._stale_key_scale(neighbours=True))
+        self._damp(self.keys)
+
+    def _damp(self, keys: KeyScheme) -> None:
+        """Chunks precomputed after neighbours are less stale: blend damps them by the model's
+        measured neighbour scale when the namespace (or the shared one) has an index."""
+        indexed = keys.neighbours is not None or (keys.shared is not None and keys.shared.neighbours is not None)
+        self.blend_cfg = replace(self.blend_cfg, stale_key_scale=self._stale_key_scale(neighbours=indexed))
+
+    def _bind(self, keys: KeyScheme) -> None:
+        """Give `keys` its namespace's neighbour index and the shared namespace's keys, as stored now."""
+        keys.neighbours = self.indexes.get(keys.namespace) if self.indexes is not None else None
+        keys.shared = self._shared_keys(keys)
+        if keys.shared is not None:
+            keys.shared.neighbours = self.indexes.get(keys.shared.namespace) if self.indexes is not None else None
+        self._damp(keys)
+
+    def _shared_keys(self, keys: KeyScheme) -> KeyScheme | None:
+        """The shared namespace's keys beside `keys` (None: no shared namespace, or it is this one)."""
+        name = self.settings.shared_namespace
+        if name is None or name == keys.namespace:
+            return None
+        shared = copy.copy(keys)
+        shared.namespace, shared.shared = name, None
+        return shared
+
+    @contextmanager
+    def namespace(self, name: str):
+        """Chunk and prefix keys, and the neighbour index, of namespace `name` for the calls inside,
+        so that tenants never share cached KV or each other's chunks as context. The engine is used
+        by one thread at a time, so swapping is safe."""
+        saved = self.keys, self.blend_cfg
+        self.keys = copy.copy(self.keys)  # cheap: a few fields (no cache per namespace to grow unbounded)
+        self.keys.namespace = name
+        self._bind(self.keys)
+        try:
+            yield
+        finally:
+            self.keys, self.blend_cfg = saved
 
     def index_collection(self, prompts: list[list[int]]) -> int:
-        """Add the chunks of these prompts (token ids) to the neighbour index, saved where the
-        settings say; returns how many chunks were new. A no-op when neighbour_context is off."""
-        if not self.settings.neighbour_context:
+        """Add the chunks of these prompts (token ids) to the current namespace's neighbour index,
+        kept where the store keeps its entries; returns how many chunks were new. A no-op when
+        neighbour_context is off."""
+        if self.indexes is None:
             return 0
-        index = self.keys.neighbours or NeighbourIndex()
         chunks = [ids[a:b] for ids in prompts for a, b in self.segments(ids).chunks]
-        new = index.add(chunks)
-        path = self.settings.neighbour_index_path()
-        if path is not None and new:
-            index.save(path)
+        new, index = self.indexes.add(self.keys.namespace, chunks)
         self.use_neighbours(index)
         return new
 
@@ -203,15 +244,23 @@ class Engine:
         [start, end) as prefix-cache blocks; their keys still hash every token from position 0."""
         stored = 0
         for (a, b), key in self._prefix_blocks(token_ids, seg, end):
-            if a >= start and key not in self.store:
+            if a >= start and key not in self.store and not self._shared_holds(token_ids, seg, (a, b)):
                 rows = slice(a - start, b - start)
                 self.store.put(key, ChunkKV(k[:, :, rows].clone(), v[:, :, rows].clone(), torch.arange(a, b)))
                 stored += 1
         return stored
 
+    def _shared_holds(self, token_ids: list[int], seg: Segments, block: Span) -> bool:
+        """Whether the shared namespace holds this exact block already (no copy is kept here)."""
+        if self.keys.shared is None:
+            return False
+        bounds = [b for b in block_bounds(seg, self.keys.block, block[1]) if b[1] <= block[1]]
+        return self.keys.shared.prefix_keys(token_ids, bounds)[-1] in self.store
+
     def blocks_missing(self, token_ids: list[int], seg: Segments, end: int, start: int = 0) -> bool:
         """Whether any prefix-cache block of rows [start, end) is not stored yet."""
-        return any(key not in self.store for (a, _), key in self._prefix_blocks(token_ids, seg, end) if a >= start)
+        return any(key not in self.store and not self._shared_holds(token_ids, seg, span)
+                   for span, key in self._prefix_blocks(token_ids, seg, end) if span[0] >= start)
 
     def _prefix_blocks(self, token_ids: list[int], seg: Segments, end: int) -> list[tuple[Span, str]]:
         bounds = [b for b in block_bounds(seg, self.keys.block, end) if b[1] <= end]
@@ -278,15 +327,33 @@ class Engine:
         out.update(zip(rest, encode_chunks(self.runner, context, [todo[k] for k in rest], [leads[k] for k in rest])))
         return out
 
-    def store_after(self, token_ids: list[int], plan: Plan, out: PrefillOutput, mode: str) -> None:
-        """Keep what this request computed exactly, and the chunks it missed (standalone)."""
+    def store_after(self, token_ids: list[int], plan: Plan, out: PrefillOutput, mode: str,
+                    misses: bool = True) -> list[Span]:
+        """Keep what this request computed exactly, and (with `misses`) the chunks it missed, as
+        store_misses does. Returns the spans of the missed chunks (a caller storing them later
+        passes them to store_misses)."""
         if mode == "full":
-            return
+            return []
         reused = plan.reused_mask()
         exact_end = int(reused.nonzero()[0]) if bool(reused.any()) else plan.n_tokens
         self.store_prefix(token_ids, plan.segments, out.cache.k, out.cache.v, exact_end)
-        if any(c.note is None for c in plan.misses):  # chunks the controller chose to recompute are stored
-            self.precompute(token_ids, plan.segments)
+        missed = [c.span for c in plan.misses if c.note is None]  # the controller's recomputes are stored
+        if missed and misses:
+            self.store_misses(token_ids, missed, plan.segments)
+        return missed
+
+    def store_misses(self, token_ids: list[int], missed: list[Span], seg: Segments | None = None) -> int:
+        """Documents first met in a request join the current namespace's collection: the chunks
+        that missed are indexed (each after its most similar chunk of this namespace, the
+        request's other documents included) and precomputed, so the next request with them
+        gets indexed chunks. Returns chunks stored."""
+        seg = seg or self.segments(token_ids)
+        chunks = [token_ids[a:b] for a, b in missed]
+        if self.indexes is not None and chunks:
+            new, index = self.indexes.add(self.keys.namespace, chunks)
+            if new:
+                self.use_neighbours(index)
+        return self.precompute(token_ids, seg)
 
     # ---- generation ------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException
 
 from ..engine.engine import Engine, RequestError
 from ..engine.sampler import SamplingParams
-from . import prompts
+from . import access_log, prompts
 from .errors import APIError, bad_request, internal, not_found, overloaded, unauthorized
 from .http_input import read_json, validation_error, wait_disconnect
 from .metrics import MetricsMiddleware, ServerMetrics
@@ -48,22 +48,34 @@ class ServerConfig:
     max_documents: int = 64  # per request
     max_body_bytes: int = 8 << 20
     completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
+    catch_up_s: float = 5.0  # how often writes a tier missed while down (Redis) are tried again
 
 
 def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
+    access_log.install()  # the page's `/?key=` must not reach the access log
     metrics = ServerMetrics()
     scheduler = Scheduler(engine, metrics, config.max_queue, config.max_batch)
     metrics.watch(lambda: scheduler.queue_depth, lambda: scheduler.active, lambda: scheduler.kv_bytes,
                   lambda: engine.store.used_bytes, lambda: len(engine.store))
+    metrics.watch_store(engine.store.stats)
     tokenizer = engine.tokenizer
     chunks: dict[str, dict] = {}  # key -> {key, namespace, n_tokens, created}: what /v1/chunks stored
     if tokenizer is not None and not prompts.has_chat_template(tokenizer):
         log.warning("the tokenizer has no chat template: chat requests use kvblend's plain role-header template")
 
+    async def catch_up():
+        """Writes lost while a tier (Redis) was down go to it once it is back."""
+        while True:
+            await asyncio.sleep(config.catch_up_s)
+            if engine.store.catch_up():
+                log.info("store: writing again what a tier missed while it was down")
+
     @asynccontextmanager
     async def lifespan(_app):
         scheduler.start()
+        catching_up = asyncio.create_task(catch_up())
         yield
+        catching_up.cancel()
         scheduler.stop()
 
     app = FastAPI(title="kvblend", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
@@ -189,13 +201,22 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         if not collect.done():  # the client left: stop computing for it
             req.cancel()
             collect.cancel()
+            stream.client_left()
             return Response(status_code=499)
         return JSONResponse(collect.result())
 
+    def model_card() -> dict:
+        return {"id": config.model_name, "object": "model", "created": 0, "owned_by": "kvblend",
+                "max_model_len": engine.max_len}
+
     @app.get("/v1/models")
     async def models(_base: str = Depends(tenant)):
-        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvblend", "max_model_len": engine.max_len}]}
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id:path}")  # :path, since model names hold slashes (org/name)
+    async def model(model_id: str, _base: str = Depends(tenant)):
+        check_model(model_id)
+        return model_card()
 
     @app.post("/v1/chunks")
     async def store_chunks(request: HTTPRequest, base: str = Depends(tenant)):
@@ -212,6 +233,9 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         ns = namespace(base, body.namespace)
 
         def precompute(eng: Engine):
+            # The documents join the namespace's collection: each is precomputed after its most
+            # similar chunk of this namespace (never another's), found again by every replica.
+            eng.index_collection([ids])
             stored = eng.precompute(ids, seg)
             context = eng.keys.context_ids(ids, seg)
             return stored, [(eng.keys.chunk_key(ids[a:b], context), b - a) for a, b in seg.chunks]
@@ -229,8 +253,14 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         data = []
         for key, n in keys:
             chunks.setdefault(key, {"key": key, "namespace": ns, "n_tokens": n, "created": now})
-            data.append({"key": key, "n_tokens": n, "stored": key in engine.store})
-        return {"object": "list", "data": data, "stored_new": stored, "namespace": ns}
+            tiers = await asyncio.to_thread(engine.store.holding, key)
+            # stored: in every configured tier, so a replica on the same Redis hits it too.
+            data.append({"key": key, "n_tokens": n, "stored": len(tiers) == len(engine.store.tiers), "tiers": tiers})
+        owed = engine.store.missed_by(k for k, _ in keys)
+        if owed:
+            log.warning("chunks: %s down; %d chunks held in %s, written to it when it is back", ", ".join(owed),
+                        len(keys), ", ".join(sorted({t for d in data for t in d["tiers"]})) or "no tier")
+        return {"object": "list", "data": data, "stored_new": stored, "namespace": ns, "catch_up_tiers": owed}
 
     @app.get("/v1/chunks")
     async def list_chunks(namespace_: str | None = Query(None, alias="namespace", pattern=NAMESPACE_PATTERN),

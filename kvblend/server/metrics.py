@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
@@ -33,6 +34,10 @@ class ServerMetrics:
         self.kv_bytes = Gauge("kvblend_kv_bytes", "bytes of KV cache held by running requests", registry=r)
         self.store_bytes = Gauge("kvblend_store_bytes", "bytes held by the chunk store", registry=r)
         self.store_entries = Gauge("kvblend_store_entries", "entries in the chunk store", registry=r)
+        self.bad_entries = Counter("kvblend_bad_entries", "bad stored entries requests met (discarded, recomputed)",
+                                   registry=r)
+        self.disconnects = Counter("kvblend_client_disconnects", "requests whose client went away before the end",
+                                   registry=r)
 
     def watch(self, queue_depth: Callable[[], float], running: Callable[[], float], kv_bytes: Callable[[], float],
               store_bytes: Callable[[], float], store_entries: Callable[[], float]) -> None:
@@ -50,6 +55,12 @@ class ServerMetrics:
         self.prefix_hit.inc(m.prefix_hit_tokens)
         self.chunk_hits.inc(m.chunk_hits)
         self.chunk_misses.inc(m.chunk_misses)
+        self.bad_entries.inc(m.bad_entries)
+
+    def watch_store(self, stats: Callable[[], dict[str, dict]]) -> None:
+        """The store's own counters per tier (hits, misses, bad entries, write errors, ...), read at
+        scrape time: faults of the tiers, background writes included, show here, not only in the log."""
+        self.registry.register(_StoreCollector(stats))
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
@@ -79,3 +90,46 @@ class MetricsMiddleware:
             self.metrics.requests.labels(route, scope.get("method", ""), code).inc()
             if status[0] >= 400:
                 self.metrics.errors.labels(route, code).inc()
+
+
+# Per-tier counters of TieredStore.stats(): name -> help. Gauges are the sizes, the rest count up.
+_TIER_COUNTERS = {
+    "hits": "lookups the tier answered", "misses": "lookups the tier did not have",
+    "puts": "entries written to the tier", "evictions": "entries the tier evicted for room",
+    "bad_entries": "bad entries found in the tier (deleted, recomputed)",
+    "write_errors": "writes to the tier that failed", "unreachable": "times the tier was found unreachable",
+}
+_STORE_COUNTERS = {
+    "promotions": "entries copied into a faster tier after a hit",
+    "writer_errors": "background writes that raised", "writes_dropped": "writes dropped: backlog over its limit",
+    "catch_up_writes": "entries written to a tier after it came back",
+}
+
+
+class _StoreCollector:
+    def __init__(self, stats: Callable[[], dict[str, dict]]):
+        self.stats = stats
+
+    def describe(self):
+        return []  # no fixed set: the tiers are those the settings configure
+
+    def collect(self):
+        stats = self.stats()
+        store = stats.pop("store", {})
+        for name, text in _TIER_COUNTERS.items():
+            family = CounterMetricFamily(f"kvblend_store_tier_{name}", f"store: {text}, by tier", labels=["tier"])
+            for tier, counters in stats.items():
+                if name in counters:
+                    family.add_metric([tier], counters[name])
+            yield family
+        for name, text in (("used_bytes", "bytes held"), ("capacity_bytes", "capacity in bytes")):
+            family = GaugeMetricFamily(f"kvblend_store_tier_{name}", f"store: {text}, by tier", labels=["tier"])
+            for tier, counters in stats.items():
+                family.add_metric([tier], counters[name])
+            yield family
+        for name, text in _STORE_COUNTERS.items():
+            if name in store:
+                yield CounterMetricFamily(f"kvblend_store_{name}", f"store: {text}", value=store[name])
+        if "catch_up_pending" in store:
+            yield GaugeMetricFamily("kvblend_store_catch_up_pending", "store: writes owed to a tier that was down",
+                                    value=store["catch_up_pending"])

@@ -4,6 +4,7 @@ server-sent events in OpenAI's chunk format ending in `data: [DONE]`."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 import uuid
 
@@ -11,6 +12,8 @@ from .errors import APIError
 from .metrics import ServerMetrics
 from .scheduler import Done, Failed, Prefilled, Request, Token
 from .text_stream import TextStream
+
+log = logging.getLogger(__name__)
 
 
 class Reply:
@@ -22,6 +25,7 @@ class Reply:
         self.created = int(time.time())
         self.prompt_metrics = None
         self.n_tokens = 0
+        self.finished = False
 
     async def pieces(self):
         """Text pieces as tokens arrive; ends with ("finish", reason)."""
@@ -50,8 +54,15 @@ class Reply:
                 raise APIError(event.status, event.message, type="server_error" if event.status >= 500
                                else "invalid_request_error")
 
+    def client_left(self) -> None:
+        """The client went away before the answer ended: say so, in the log and in /metrics."""
+        self.metrics.disconnects.inc()
+        log.info("%s: the client went away after %d of at most %d tokens; stopped", self.id, self.n_tokens,
+                 self.req.params.max_tokens)
+
     def finish(self) -> dict:
         """usage and kvblend's metrics for the last message; records the request's latency."""
+        self.finished = True
         m = self.prompt_metrics
         n_prompt = len(self.req.token_ids)
         self.metrics.e2e.labels(self.req.mode).observe(time.perf_counter() - self.req.arrival)
@@ -61,7 +72,8 @@ class Reply:
             "kvblend": {"mode": m.mode, "ttft_s": m.ttft_s, "queue_s": self.req.admitted - self.req.arrival, "prefix_hit_tokens": m.prefix_hit_tokens,
                         "reused_tokens": m.reused_tokens, "recomputed_tokens": m.recomputed_tokens,
                         "chunk_hits": m.chunk_hits, "chunk_misses": m.chunk_misses,
-                        "compute_frac": m.compute_frac},
+                        "compute_frac": m.compute_frac, "chunk_tiers": m.chunk_tiers,
+                        "bad_entries": m.bad_entries},
         }
 
     async def collect(self) -> dict:
@@ -108,5 +120,8 @@ class Reply:
             except APIError as e:  # the status line is gone already: the error travels as an event
                 yield event(e.body())
             yield "data: [DONE]\n\n"
+            self.finished = True
         finally:
+            if not self.finished:  # the generator closed early: the client went away mid-stream
+                self.client_left()
             self.req.cancel()  # no-op when finished; frees the KV when the client left mid-stream

@@ -15,14 +15,12 @@ went away, or a stop string ended it) leaves the batch at the next step and its 
 from __future__ import annotations
 
 import asyncio
-import copy
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -105,6 +103,7 @@ class Sequence:
     sampler: Sampler
     tokens: list[int]
     metrics: RequestMetrics
+    missed: list[tuple[int, int]] = field(default_factory=list)  # chunks stored once the answer is done
 
     @property
     def position(self) -> int:
@@ -229,18 +228,9 @@ class Scheduler:
             else:
                 item.emit(Failed(503, "the server is shutting down"))
 
-    @contextmanager
     def _namespace(self, namespace: str):
-        """Chunk and prefix keys of this request's namespace. Only this thread uses the engine, so
-        swapping its key scheme for one call is safe; tenants never share cached KV."""
-        engine = self.engine
-        keys = copy.copy(engine.keys)  # cheap: a few fields (no cache per namespace to grow unbounded)
-        keys.namespace = namespace
-        saved, engine.keys = engine.keys, keys
-        try:
-            yield
-        finally:
-            engine.keys = saved
+        """The engine under this namespace's keys: tenants never share cached KV."""
+        return self.engine.namespace(namespace)
 
     def namespaced(self, namespace: str, fn: Callable[[Engine], object]) -> Callable[[Engine], object]:
         """A job function run under `namespace`'s keys."""
@@ -271,7 +261,8 @@ class Scheduler:
                 first = sampler(out.logits)
                 metrics = RequestMetrics.from_prefill(req.mode, len(req.token_ids), out.stats)
                 metrics.ttft_s = time.perf_counter() - req.arrival
-                engine.store_after(req.token_ids, plan, out, req.mode)  # the next request may hit
+                # Exact rows now (a copy); the chunks it missed after the answer (store_missed).
+                missed = engine.store_after(req.token_ids, plan, out, req.mode, misses=False)
         except RequestError as e:
             req.emit(Failed(400, str(e)))
             return
@@ -279,7 +270,7 @@ class Scheduler:
             log.exception("prefill failed")
             req.emit(Failed(500, f"prefill failed: {type(e).__name__}: {e}"))
             return
-        self._start(req, out.cache, sampler, first, metrics)
+        self._start(req, out.cache, sampler, first, metrics, missed)
 
     def _prefill_step(self) -> None:
         job = self.prefilling
@@ -307,10 +298,11 @@ class Scheduler:
                                  ttft_s=time.perf_counter() - req.arrival)
         self._start(req, job.cache, sampler, first, metrics)
 
-    def _start(self, req: Request, cache: KVCache, sampler: Sampler, first: int, metrics: RequestMetrics) -> None:
+    def _start(self, req: Request, cache: KVCache, sampler: Sampler, first: int, metrics: RequestMetrics,
+               missed: list[tuple[int, int]] | None = None) -> None:
         """A prefilled request joins the running batch with its first token."""
         self.metrics.observe_prefill(req.mode, metrics.ttft_s, metrics)
-        seq = Sequence(req, cache, sampler, [first], metrics)
+        seq = Sequence(req, cache, sampler, [first], metrics, missed or [])
         self.running.append(seq)
         req.emit(Prefilled(metrics))
         self._after_token(seq)
@@ -347,12 +339,33 @@ class Scheduler:
             elapsed = time.perf_counter() - seq.request.arrival - m.ttft_s
             m.decode_tokens_per_s = (len(seq.tokens) - 1) / elapsed if elapsed > 0 and len(seq.tokens) > 1 else 0.0
             self.metrics.generated.inc(len(seq.tokens))
+            if seq.missed:  # queued before the answer ends, so the client's next request finds them
+                self.store_missed(seq.request, seq.missed)
         self.running.remove(seq)
         seq.cache = None  # the KV goes with the last reference
         seq.request.emit(event)
+
+    def store_missed(self, req: Request, missed: list[tuple[int, int]]) -> None:
+        """Write-behind of documents first met in a request: a job after its answer indexes them in
+        the request's namespace and precomputes them (Engine.store_misses), off the request's path."""
+        ids = req.token_ids
+
+        def store(engine: Engine):
+            try:
+                return engine.store_misses(ids, missed)
+            except Exception:  # nobody waits on this job: say it here
+                log.exception("storing the chunks a request missed failed")
+                raise
+
+        try:
+            self.submit(Job(self.namespaced(req.namespace, store)))
+        except queue.Full:
+            log.warning("queue full: the %d chunks a request missed are not stored", len(missed))
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.running if s.request.cancelled.is_set()]:
             self.running.remove(seq)
             seq.cache = None
             self.metrics.cancelled.inc()
+            if seq.missed:  # a stop string or a client gone: the documents are worth keeping all the same
+                self.store_missed(seq.request, seq.missed)

@@ -124,6 +124,10 @@ class RedisTier(Counters):
                 self._down_until = time.monotonic() + self.retry_s
             raise TierDown from e
 
+    def call(self, fn):
+        """fn(client) for a neighbour of the entries (the neighbour indexes); TierDown while down."""
+        return self._run(fn)
+
     def counters(self) -> dict[str, int]:
         return {**super().counters(), "unreachable": self.unreachable}
 

@@ -41,6 +41,10 @@ class TieredStore:
         self._written = threading.Condition(self._lock)  # notified as write-behind entries land
         self.promotions = 0
         self.pick_by_bandwidth = False  # the loading controller's choice of tier, see read_order
+        # Writes a tier that can come back (Redis) failed while it was down: tier name -> key -> KV,
+        # written again by catch_up once it answers, within the same byte bound as write-behind.
+        self._missed: dict[str, dict[str, ChunkKV]] = {}
+        self._missed_bytes, self.caught_up = 0, 0
 
     @property
     def _writer(self) -> BackgroundWriter:
@@ -129,12 +133,60 @@ class TieredStore:
     def _write_behind(self, key: str, kv: ChunkKV, tiers: list[Tier]) -> None:
         try:
             for tier in tiers:
-                tier.put(key, kv)
+                self._put_or_remember(tier, key, kv)
         finally:
             with self._lock:
                 self._pending.pop(key, None)
                 self._pending_bytes -= kv.nbytes
                 self._written.notify_all()
+
+    def _put_or_remember(self, tier: Tier, key: str, kv: ChunkKV) -> bool:
+        """Write to one tier; a write lost because the tier is down is kept for catch_up."""
+        errors = tier.write_errors
+        if tier.put(key, kv) or tier.write_errors == errors or not hasattr(tier, "available"):
+            return True
+        with self._lock:
+            missed = self._missed.setdefault(tier.name, {})
+            if key in missed:
+                return False
+            if self._missed_bytes + kv.nbytes > self.max_pending_bytes:
+                self.writes_dropped += 1
+                log.warning("store: %s is down and the writes kept for it are over %d bytes; %s is not "
+                            "written to it", tier.name, self.max_pending_bytes, key[:22])
+                return False
+            missed[key] = kv
+            self._missed_bytes += kv.nbytes
+        return False
+
+    def catch_up(self) -> int:
+        """Write again, in the background, what a tier missed while it was down, once it may be back
+        (a tier still down keeps them for the next call). Returns how many writes were queued."""
+        queued = 0
+        for tier in self.tiers:
+            with self._lock:
+                missed = self._missed.get(tier.name)
+                if not missed or not tier.available:
+                    continue
+                self._missed[tier.name] = {}
+                self._missed_bytes -= sum(kv.nbytes for kv in missed.values())
+            for key, kv in missed.items():
+                self._writer.submit(self._catch_up_one, tier, key, kv)
+            queued += len(missed)
+        return queued
+
+    def _catch_up_one(self, tier: Tier, key: str, kv: ChunkKV) -> None:
+        if self._put_or_remember(tier, key, kv):
+            self.caught_up += 1
+
+    def missed_by(self, keys) -> list[str]:
+        """Tiers that still owe some of `keys` a write (down when it was tried; caught up later)."""
+        keys = set(keys)
+        with self._lock:
+            return [name for name, missed in self._missed.items() if keys & missed.keys()]
+
+    def holding(self, key: str) -> list[str]:
+        """The tiers that hold `key` now."""
+        return [t.name for t in self.tiers if key in t]
 
     def wait_written(self, keys, timeout_s: float) -> bool:
         """Wait until none of `keys` is still pending write-behind (written, or failed), so that
@@ -175,7 +227,9 @@ class TieredStore:
         return {t.name: {**t.counters(), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
                 for t in self.tiers} | {"store": {"promotions": self.promotions,
                                                   "writer_errors": self._writer_.errors if self._writer_ else 0,
-                                                  "writes_dropped": self.writes_dropped}}
+                                                  "writes_dropped": self.writes_dropped,
+                                                  "catch_up_writes": self.caught_up,
+                                                  "catch_up_pending": sum(map(len, self._missed.values()))}}
 
 
 def build_store(s: Settings, spec: EntrySpec | None) -> TieredStore:
