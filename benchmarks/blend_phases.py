@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
-import subprocess
 import time
 from collections import defaultdict
 from contextlib import contextmanager
@@ -30,6 +28,7 @@ from kvblend.blend import fusor
 from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
+from kvblend.eval import machine
 from kvblend.eval.harness import prompt_ids
 from kvblend.model import runner as runner_mod
 from kvblend.model.loader import load_model
@@ -38,15 +37,7 @@ from variants import parse_grid
 
 
 def cpu_name() -> str:
-    try:
-        out = subprocess.run(["lscpu"], capture_output=True, text=True).stdout
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    fields = dict(line.split(":", 1) for line in out.splitlines() if ":" in line)
-    flags = fields.get("Flags", "").split()
-    isa = "AMX" if "amx_bf16" in flags else "AVX512-BF16" if "avx512_bf16" in flags else \
-        "AVX512" if "avx512f" in flags else "AVX2" if "avx2" in flags else "no AVX2"
-    return f"{fields.get('Model name', '?').strip()} ({isa}, {torch.get_num_threads()} threads)"
+    return f"{machine.cpu_name()[:-1]}, {torch.get_num_threads()} threads)"
 
 
 CLOCK = time.perf_counter
