@@ -126,10 +126,15 @@ class KeyScheme:
         return prefix_block_keys(self.namespace, self.fingerprint, self.dtype, token_ids, bounds)
 
 
-def _get(store, key: str, shared_key: str | None):
-    """The entry under `key`, else under the shared namespace's key (read, never written)."""
+def _lookup(store, key: str, shared_key: str | None):
+    """(key, entry) under `key`, else under the shared namespace's key (read, never written);
+    a miss keeps the own key, under which it is stored."""
     kv = store.get(key)
-    return store.get(shared_key) if kv is None and shared_key is not None else kv
+    if kv is None and shared_key is not None:
+        hit = store.get(shared_key)
+        if hit is not None:
+            return shared_key, hit
+    return key, kv
 
 
 def make_plan(token_ids: list[int], seg: Segments, keys: KeyScheme, store, use_prefix: bool,
@@ -141,7 +146,7 @@ def make_plan(token_ids: list[int], seg: Segments, keys: KeyScheme, store, use_p
         # A block's KV is exact whichever namespace computed it: own and shared blocks may mix.
         shared_keys = shared.prefix_keys(token_ids, bounds) if shared else [None] * len(bounds)
         for span, key, shared_key in zip(bounds, keys.prefix_keys(token_ids, bounds), shared_keys):
-            kv = _get(store, key, shared_key)
+            _, kv = _lookup(store, key, shared_key)
             if kv is None:
                 break
             plan.prefix_blocks.append((span, kv))
@@ -156,10 +161,6 @@ def make_plan(token_ids: list[int], seg: Segments, keys: KeyScheme, store, use_p
             if span[1] <= plan.prefix_hit:  # looking it up would only cost a read and a promotion
                 plan.chunks.append(ChunkRef(span, key, None, exact=True))
                 continue
-            kv = store.get(key)  # a miss doesn't stop lookup
-            if kv is None and shared is not None:
-                shared_key = shared.chunk_key(ids, context)
-                kv = store.get(shared_key)
-                key = shared_key if kv is not None else key  # a miss is stored under the own key
-            plan.chunks.append(ChunkRef(span, key, kv))
+            shared_key = shared.chunk_key(ids, context) if shared is not None else None
+            plan.chunks.append(ChunkRef(span, *_lookup(store, key, shared_key)))  # a miss doesn't stop lookup
     return plan

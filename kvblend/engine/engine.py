@@ -243,28 +243,28 @@ class Engine:
         """Store exact KV (k, v: [L, Hkv, >=end-start, d], row 0 = position `start`) of rows
         [start, end) as prefix-cache blocks; their keys still hash every token from position 0."""
         stored = 0
-        for (a, b), key in self._prefix_blocks(token_ids, seg, end):
-            if a >= start and key not in self.store and not self._shared_holds(token_ids, seg, (a, b)):
+        for (a, b), key, shared_key in self._prefix_blocks(token_ids, seg, end):
+            if a >= start and not self._held(key, shared_key):
                 rows = slice(a - start, b - start)
                 self.store.put(key, ChunkKV(k[:, :, rows].clone(), v[:, :, rows].clone(), torch.arange(a, b)))
                 stored += 1
         return stored
 
-    def _shared_holds(self, token_ids: list[int], seg: Segments, block: Span) -> bool:
-        """Whether the shared namespace holds this exact block already (no copy is kept here)."""
-        if self.keys.shared is None:
-            return False
-        bounds = [b for b in block_bounds(seg, self.keys.block, block[1]) if b[1] <= block[1]]
-        return self.keys.shared.prefix_keys(token_ids, bounds)[-1] in self.store
-
     def blocks_missing(self, token_ids: list[int], seg: Segments, end: int, start: int = 0) -> bool:
         """Whether any prefix-cache block of rows [start, end) is not stored yet."""
-        return any(key not in self.store and not self._shared_holds(token_ids, seg, span)
-                   for span, key in self._prefix_blocks(token_ids, seg, end) if span[0] >= start)
+        return any(not self._held(key, shared_key)
+                   for span, key, shared_key in self._prefix_blocks(token_ids, seg, end) if span[0] >= start)
 
-    def _prefix_blocks(self, token_ids: list[int], seg: Segments, end: int) -> list[tuple[Span, str]]:
+    def _held(self, key: str, shared_key: str | None) -> bool:
+        """Whether a block is stored here, or in the shared namespace (no copy is kept here then)."""
+        return key in self.store or (shared_key is not None and shared_key in self.store)
+
+    def _prefix_blocks(self, token_ids: list[int], seg: Segments, end: int) -> list[tuple[Span, str, str | None]]:
+        """Each whole block of rows [0, end): its span, its key, and its key in the shared namespace."""
         bounds = [b for b in block_bounds(seg, self.keys.block, end) if b[1] <= end]
-        return list(zip(bounds, self.keys.prefix_keys(token_ids, bounds)))
+        shared = self.keys.shared
+        shared_keys = shared.prefix_keys(token_ids, bounds) if shared is not None else [None] * len(bounds)
+        return list(zip(bounds, self.keys.prefix_keys(token_ids, bounds), shared_keys))
 
     def store_first_chunks(self, token_ids: list[int], seg: Segments) -> int:
         """Each chunk's exact KV as it stands first in a prompt with this prefix (right after it,
