@@ -228,14 +228,10 @@ class Scheduler:
             else:
                 item.emit(Failed(503, "the server is shutting down"))
 
-    def _namespace(self, namespace: str):
-        """The engine under this namespace's keys: tenants never share cached KV."""
-        return self.engine.namespace(namespace)
-
     def namespaced(self, namespace: str, fn: Callable[[Engine], object]) -> Callable[[Engine], object]:
         """A job function run under `namespace`'s keys."""
         def run(engine: Engine):
-            with self._namespace(namespace):
+            with engine.namespace(namespace):
                 return fn(engine)
         return run
 
@@ -254,7 +250,7 @@ class Scheduler:
             return
         engine = self.engine
         try:
-            with torch.inference_mode(), self._namespace(req.namespace):
+            with torch.inference_mode(), self.engine.namespace(req.namespace):
                 plan, out = engine.prefill(req.token_ids, req.mode, extra_capacity=req.params.max_tokens,
                                            blend_cfg=req.blend_cfg)
                 sampler = Sampler(req.params)
