@@ -16,7 +16,6 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from urllib.parse import quote
 
 import redis
 
