@@ -23,6 +23,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["full", "prefix", "reuse", "blend"])
     p.add_argument("--check-layers", help="e.g. 1 or 1,4")
     p.add_argument("--recompute-ratios", help="e.g. 0.15 or 0.3,0.15")
+    p.add_argument("--min-recompute-tokens", type=int,
+                   help="each check layer recomputes at least this many reused tokens (default: 256)")
     p.add_argument("--deviation", choices=["k", "v", "kv"])
     p.add_argument("--check-layer-kv", choices=["fresh", "cached"])
     p.add_argument("--weight-by-attention", action=argparse.BooleanOptionalAction, default=None,
@@ -80,6 +82,7 @@ def _settings(args):
 
     return load_settings(args.config, model=args.model, dtype=args.dtype, device=args.device, mode=args.mode,
                          check_layers=args.check_layers, recompute_ratios=args.recompute_ratios,
+                         min_recompute_tokens=args.min_recompute_tokens,
                          deviation=args.deviation, check_layer_kv=args.check_layer_kv,
                          weight_by_attention=args.weight_by_attention, stale_key_scale=args.stale_key_scale,
                          probe_layers=args.probe_layers, check_candidates=args.check_candidates,

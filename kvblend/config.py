@@ -106,6 +106,10 @@ class Settings(BaseSettings):
         default_factory=lambda: [0.08],  # same TTFT as plain HKVD at 0.15: docs/experiments.md#token-selection
         validation_alias=_env("recompute_ratios", "LMCACHE_BLEND_RECOMPUTE_RATIOS", "KVBLEND_BLEND_RATIOS"),
     )
+    # Each check layer recomputes at least this many reused tokens, whatever the ratio: a short
+    # prompt's ratio leaves a few dozen, too few to keep greedy answers (docs/experiments.md#short-prompts).
+    # Moot from about 256 / 0.08 = 3.2k reused tokens on.
+    min_recompute_tokens: int = Field(default=256, ge=0)
     deviation: Literal["k", "v", "kv"] = "v"  # measured best: docs/experiments.md#token-selection
     check_layer_kv: Literal["fresh", "cached"] = "fresh"
     weight_by_attention: bool = True  # HKVD scores times the suffix's attention: docs/experiments.md#token-selection

@@ -17,8 +17,10 @@ SEP = [7, 7, 3]
 
 
 def make_engine(family="llama", seed=0, **settings):
+    # No minimum budget: on these ~100-token prompts the ratio alone sets it, as on long prompts.
     m = tiny_model(family, seed=seed)
-    return Engine(m, Settings(**{"check_layers": [1], "recompute_ratios": [0.15], **settings}), sep_ids=SEP)
+    return Engine(m, Settings(**{"check_layers": [1], "recompute_ratios": [0.15], "min_recompute_tokens": 0,
+                                 **settings}), sep_ids=SEP)
 
 
 def chunks(n, length=24, seed=0):
@@ -181,6 +183,33 @@ def test_number_of_selected_tokens_follows_ratios(check_layers, ratios, deviatio
             active = must + round(ratios[check_layers.index(layer)] * n_reused)
         per_layer.append(active)
     assert out.stats.compute_frac == pytest.approx(sum(per_layer) / (engine.runner.n_layers * plan.n_tokens))
+
+
+@pytest.mark.parametrize("minimum", [0, 20, 10_000])
+def test_a_minimum_recompute_budget_raises_a_small_ratios_count_and_caps_at_every_reused_row(minimum):
+    engine = make_engine()
+    cs = chunks(4, length=25, seed=6)
+    engine.precompute(prompt(cs))
+    ids = prompt(cs[::-1])
+    plan, out = prefill(engine, ids, "blend", ratios=[0.05], min_recompute_tokens=minimum)
+    n_reused = int(plan.reused_mask().sum())
+    assert len(out.stats.selected_positions) == min(n_reused, max(round(0.05 * n_reused), minimum))
+    if minimum >= n_reused:  # every reused row recomputed: full prefill's answer
+        _, full = prefill(engine, ids, "full")
+        torch.testing.assert_close(out.logits, full.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_a_minimum_below_the_ratios_budget_changes_nothing():
+    engine = make_engine()
+    cs = chunks(4, length=25, seed=6)
+    engine.precompute(prompt(cs))
+    ids = prompt(cs[::-1])
+    _, plain = prefill(engine, ids, "blend", ratios=[0.5])
+    _, floored = prefill(engine, ids, "blend", ratios=[0.5], min_recompute_tokens=5)
+    assert floored.stats.selected_positions == plain.stats.selected_positions
+    assert torch.equal(floored.logits, plain.logits)
+    with pytest.raises(ValueError, match="min_recompute_tokens"):
+        replace(engine.blend_cfg, min_recompute_tokens=-1)
 
 
 def test_selection_picks_the_most_deviating_tokens():

@@ -45,8 +45,9 @@ ASKED = prompt([CS[2], CS[0], CS[3], CS[1]])  # every chunk moved
 
 def make_engine(disk=None, redis_url=None, memory=True, seed=0, dtype=torch.float32, **settings):
     # No exact first-chunk blocks: the entries these tests count and damage are the chunks and
-    # the system prompt's blocks (tests/test_first_chunk.py covers the others).
-    s = Settings(**{"check_layers": [1], "recompute_ratios": [0.15], "local_cpu": memory,
+    # the system prompt's blocks (tests/test_first_chunk.py covers the others). No minimum
+    # recompute budget: on these short prompts the ratio alone sets it, as on long prompts.
+    s = Settings(**{"check_layers": [1], "recompute_ratios": [0.15], "min_recompute_tokens": 0, "local_cpu": memory,
                     "local_disk": str(disk) if disk else None, "remote_url": redis_url,
                     "exact_first_chunk": False, **settings})
     engine = Engine(tiny_model("llama", seed=seed, dtype=dtype), s, sep_ids=SEP)

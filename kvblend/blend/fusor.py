@@ -59,6 +59,10 @@ class BlendConfig:
     # The probe computes only the suffix's last `probe_suffix_tokens` rows (0: all of it) and hides
     # the rest of the suffix from them, as the separators: the question's end reads the passages.
     probe_suffix_tokens: int = 32
+    # Each check layer keeps at least this many reused tokens, whatever the ratio: on a short
+    # prompt a ratio leaves a few dozen tokens, and one stale token there can flip a near-tie in
+    # the answer; from a few thousand tokens on the ratio's own budget is larger and this is moot.
+    min_recompute_tokens: int = 0
 
     def __post_init__(self):
         if self.check_candidates and self.check_candidates < 1:
@@ -67,6 +71,8 @@ class BlendConfig:
             raise ValueError(f"probe_layers must be >= 1 (or None for every layer), got {self.probe_layers}")
         if not 0 <= self.probe_attention_from < 1:
             raise ValueError(f"probe_attention_from must be in [0, 1), got {self.probe_attention_from}")
+        if self.min_recompute_tokens < 0:
+            raise ValueError(f"min_recompute_tokens must be >= 0, got {self.min_recompute_tokens}")
         if self.probe_suffix_tokens < 0:
             raise ValueError(f"probe_suffix_tokens must be >= 0 (0: the whole suffix), got {self.probe_suffix_tokens}")
         if not 0 < self.stale_key_scale <= 1:
@@ -112,7 +118,7 @@ class Selector:
                  attention: torch.Tensor | None):
         self.checks, self.reused, self.attention = checks, reused, attention
         self.signal, self.check_layer_kv = cfg.deviation, cfg.check_layer_kv
-        self.n_reused = int(reused.sum())
+        self.n_reused, self.minimum = int(reused.sum()), cfg.min_recompute_tokens
 
     def keep(self, layer: int, active: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              cache: KVCache) -> torch.Tensor | None:
@@ -127,7 +133,7 @@ class Selector:
         if self.attention is not None:
             score = weighted(score, self.attention[cand_pos])
         keep = ~cand
-        keep[cand_idx[top_tokens(score, n_selected(self.checks[layer], self.n_reused))]] = True
+        keep[cand_idx[top_tokens(score, n_selected(self.checks[layer], self.n_reused, self.minimum))]] = True
         return keep
 
 
@@ -304,8 +310,8 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
             stale.hide(None)
         selector = Selector(checks, cfg, reused, attention) if checks else None
         if attention is not None and cfg.check_candidates:
-            active = candidates(attention, reused, must, n_selected(checks[min(checks)], selector.n_reused),
-                                cfg.check_candidates)
+            first_budget = n_selected(checks[min(checks)], selector.n_reused, selector.minimum)
+            active = candidates(attention, reused, must, first_budget, cfg.check_candidates)
             stale.exact_below = 1  # layer 0's loaded KV is exact for the rows not computed there
         stats.checked_positions = active.tolist()
         out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, stale, selector)

@@ -76,9 +76,12 @@ def attend_with_mass(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor | None, q
     return out, mass / (q.shape[0] * n)
 
 
-def n_selected(ratio: float, n_reused: int) -> int:
-    """How many reused tokens a check layer keeps: `ratio` of all reused tokens, rounded."""
-    return int(round(ratio * n_reused))
+def n_selected(ratio: float, n_reused: int, minimum: int = 0) -> int:
+    """How many reused tokens a check layer keeps: `ratio` of all reused tokens, rounded, and at
+    least `minimum` of them (all of them when there are fewer). Ratio 0 keeps none: reuse."""
+    if ratio == 0:
+        return 0
+    return min(n_reused, max(int(round(ratio * n_reused)), minimum))
 
 
 def top_tokens(dev: torch.Tensor, keep: int) -> torch.Tensor:
