@@ -42,7 +42,9 @@ def tiny_engine(**settings) -> Engine:
     tok = default_tokenizer()
     loaded = tiny_model("llama", vocab_size=len(tok), max_position_embeddings=1024)
     loaded.tokenizer = tok
-    return Engine(loaded, Settings(dtype="float32", device="cpu", **settings))
+    # No minimum recompute budget: these few-hundred-token prompts test reuse, and the floor would
+    # recompute every reused token of them; the ratio alone sets the budget, as on long prompts.
+    return Engine(loaded, Settings(**{"dtype": "float32", "device": "cpu", "min_recompute_tokens": 0, **settings}))
 
 
 @contextmanager

@@ -18,7 +18,9 @@ DOCS = ["Marrowick is a town on the Tesk river.", "The Tesk river flows north in
 
 
 def start_replica(folder, redis_url: str):
-    return serve_process(folder, "--remote-url", redis_url, *(a for key in KEYS.values() for a in ("--api-key", key)))
+    # No minimum recompute budget: the short prompts here check that chunks are reused.
+    return serve_process(folder, "--remote-url", redis_url, "--min-recompute-tokens", "0",
+                         *(a for key in KEYS.values() for a in ("--api-key", key)))
 
 
 @pytest.fixture(scope="module")
