@@ -168,3 +168,20 @@ def test_bad_chat_logprobs_are_400(server, body, param):
     assert err["message"] and (param is None or err["param"] == param), err
     if param is None:
         assert "top_logprobs needs logprobs" in err["message"]
+
+
+def test_ignore_eos_decodes_on_to_max_tokens(server):
+    engine = server[1].state.engine
+    first = ids_of(complete(server, prompt=QUESTION, max_tokens=1, logprobs=0,
+                            return_tokens_as_token_ids=True)["choices"][0]["logprobs"]["tokens"])[0]
+    saved = engine.eos_ids
+    engine.eos_ids = {first}  # the greedy first token ends the answer at once, unless EOS is ignored
+    try:
+        stopped = complete(server, prompt=QUESTION, max_tokens=5)
+        assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["choices"][0]["text"] == ""
+        on = complete(server, prompt=QUESTION, max_tokens=5, ignore_eos=True, logprobs=0, return_tokens_as_token_ids=True)
+    finally:
+        engine.eos_ids = saved
+    choice = on["choices"][0]
+    assert choice["finish_reason"] == "length" and on["usage"]["completion_tokens"] == 5
+    assert ids_of(choice["logprobs"]["tokens"])[0] == first

@@ -158,7 +158,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             n = len(engine.blend_cfg.check_layers)
             blend_cfg = dataclasses.replace(engine.blend_cfg, ratios=[opts.recompute_ratio] * n)
         params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed, stop=list(body.stop or []), ignore_eos=forced is not None)
+                                seed=body.seed, stop=list(body.stop or []),
+                                ignore_eos=body.ignore_eos or forced is not None)
         return Request(ids, params, mode, ns, blend_cfg, forced=forced,
                        top_logprobs=body.top_logprobs_wanted()).bind()
 

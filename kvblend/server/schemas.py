@@ -48,6 +48,7 @@ class Sampling(Strict):
     # vLLM's flag: logprobs name each token "token_id:<id>" rather than by its text, which is
     # ambiguous (several ids can decode to the same text).
     return_tokens_as_token_ids: bool = False
+    ignore_eos: bool = False  # vLLM's flag: decode on past EOS, to max_tokens (EOS tokens included)
     # kvblend extensions.
     documents: list[Document] | None = None
     system: str | None = None  # the system prompt placed before `documents`
