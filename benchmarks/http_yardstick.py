@@ -46,7 +46,7 @@ from tqdm import tqdm
 from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import RagRecord, load_dataset
-from kvblend.eval.harness import greedy, prompt_ids, teacher_forced
+from kvblend.eval.harness import greedy, index_dataset, prompt_ids, teacher_forced
 from kvblend.eval.metrics import kl_divergence, kl_listed, top_logprobs
 from kvblend.model.loader import load_model
 from kvblend.server import prompts
@@ -55,6 +55,7 @@ from kvblend.server.app import ServerConfig
 MODEL_NAME = "yardstick"
 API_KEY = "sk-yardstick-tenant"
 TOP = 20  # logprobs per position: the server's cap
+IN_PROCESS = {"posts": "in-process", "file": "in-process, file index"}  # row names by --in-process-index
 
 
 # ---- prompts ---------------------------------------------------------------------------------
@@ -207,11 +208,11 @@ def summary(path: str, rows: list[dict], reference: list[dict] | None) -> dict:
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"\n{'path':28s} {'kl exact':>9s} {'kl top20':>9s} {'top1':>6s} {'TTFT full':>10s} {'TTFT blend':>11s}"
+    print(f"\n{'path':32s} {'kl exact':>9s} {'kl top20':>9s} {'top1':>6s} {'TTFT full':>10s} {'TTFT blend':>11s}"
           f" {'speed-up':>9s} {'n':>4s}")
     for r in rows:
         exact = f"{r['kl_answer_exact']:9.4f}" if r["kl_answer_exact"] is not None else f"{'-':>9s}"
-        print(f"{r['path']:28s} {exact} {r['kl_answer_top20']:9.4f} {r['top1_agree']:6.3f} "
+        print(f"{r['path']:32s} {exact} {r['kl_answer_top20']:9.4f} {r['top1_agree']:6.3f} "
               f"{r['ttft_full_s'] * 1000:8.0f}ms {r['ttft_blend_s'] * 1000:9.0f}ms {r['speedup']:8.2f}x {r['n']:4d}")
 
 
@@ -224,6 +225,10 @@ def main() -> None:
     ap.add_argument("--redis", action="store_true", help="a fresh redis-server as the shared tier")
     ap.add_argument("--replicas", type=int, choices=(1, 2), default=1,
                     help="2: a second app on the same Redis answers what was posted to the first")
+    ap.add_argument("--in-process-index", choices=("posts", "file"), default="posts",
+                    help="posts: the in-process collection grows as the posts do, record by record (like with "
+                         "like); file: the whole data file in one addition, as kvblend eval indexes it")
+    ap.add_argument("--in-process-only", action="store_true", help="no server: the in-process rows alone")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     if args.replicas == 2 and not args.redis:
@@ -243,38 +248,55 @@ def main() -> None:
         here = engine("in-process", redis=False)
         print(f"model {here.settings.model} ({here.model.dtype}), {len(records)} records "
               f"({args.offset}..{args.offset + len(records) - 1} of {args.data}), {cpu_name()}", flush=True)
-        # The in-process collection grows as the tenant's does: one addition per record, in order.
-        for record in records:
-            here.index_collection([prompt_ids(here, record)])
+        if args.in_process_index == "posts":  # the collection grows as the tenant's does: a record at a time
+            for record in records:
+                here.index_collection([prompt_ids(here, record)])
+        else:  # kvblend eval's: every record of the file at once, so neighbours may come from later records
+            index_dataset(here, load_dataset(args.data))
         n_prompt = {order: [len(check_same_prompt(here, r)) for r in rs] for order, rs in prompts_by_order.items()}
         per, labels = {}, {}
         for order, rs in prompts_by_order.items():
-            per[f"in-process {order}"] = in_process(here, rs, args)
+            per[f"{IN_PROCESS[args.in_process_index]} {order}"] = in_process(here, rs, args)
         eos_ids = set(here.eos_ids)
         meta = dict(model=here.settings.model, dtype=str(here.model.dtype).removeprefix("torch."),
                     cpu=cpu_name(), threads=torch.get_num_threads(), records=[args.offset, args.offset + len(records)],
                     data=args.data, seed=args.seed, answer_tokens=args.answer_tokens, tf_positions=args.tf_positions,
                     recompute_ratios=list(here.blend_cfg.ratios), redis=args.redis, replicas=args.replicas,
+                    in_process_index=args.in_process_index,
                     mean_prompt_tokens=statistics.mean(n_prompt["order"]), command=" ".join(sys.argv))
         here.close()
         del here
+        if not args.in_process_only:
+            per_http, labels = through_servers(stack, engine, records, prompts_by_order, n_prompt, eos_ids, args)
+            per.update(per_http)
 
-        first = engine("replica-a", redis=args.redis)
-        url = stack.enter_context(serve(first, ServerConfig(model_name=MODEL_NAME, api_keys=[API_KEY])))
-        post_collection(url, records)
-        fulls = {}
+    finish(per, labels, meta, args)
+
+
+def through_servers(stack: ExitStack, engine, records: list[RagRecord], prompts_by_order: dict, n_prompt: dict,
+                    eos_ids: set[int], args) -> tuple[dict, dict]:
+    """The tenant posts to the first app and asks it; with --replicas 2, asks a second app too.
+    Returns the rows per path and, per HTTP path, the in-process path it compares with."""
+    per, labels = {}, {}
+    first = engine("replica-a", redis=args.redis)
+    url = stack.enter_context(serve(first, ServerConfig(model_name=MODEL_NAME, api_keys=[API_KEY])))
+    post_collection(url, records)
+    fulls = {}
+    for order, rs in prompts_by_order.items():
+        per[f"HTTP {order}"], fulls[order] = over_http(url, rs, n_prompt[order], eos_ids, args, f"HTTP {order}")
+        labels[f"HTTP {order}"] = f"{IN_PROCESS[args.in_process_index]} {order}"
+    if args.replicas == 2:
+        second = engine("replica-b", redis=True)
+        url_b = stack.enter_context(serve(second, ServerConfig(model_name=MODEL_NAME, api_keys=[API_KEY])))
         for order, rs in prompts_by_order.items():
-            per[f"HTTP {order}"], fulls[order] = over_http(url, rs, n_prompt[order], eos_ids, args, f"HTTP {order}")
-            labels[f"HTTP {order}"] = f"in-process {order}"
-        if args.replicas == 2:
-            second = engine("replica-b", redis=True)
-            url_b = stack.enter_context(serve(second, ServerConfig(model_name=MODEL_NAME, api_keys=[API_KEY])))
-            for order, rs in prompts_by_order.items():
-                # Full's reply (answer, logprobs, TTFT) is the first replica's: only blend reads the store.
-                per[f"HTTP replica {order}"], _ = over_http(url_b, rs, n_prompt[order], eos_ids, args,
-                                                            f"HTTP replica {order}", fulls[order])
-                labels[f"HTTP replica {order}"] = f"in-process {order}"
+            # Full's reply (answer, logprobs, TTFT) is the first replica's: only blend reads the store.
+            per[f"HTTP replica {order}"], _ = over_http(url_b, rs, n_prompt[order], eos_ids, args,
+                                                        f"HTTP replica {order}", fulls[order])
+            labels[f"HTTP replica {order}"] = f"{IN_PROCESS[args.in_process_index]} {order}"
+    return per, labels
 
+
+def finish(per: dict, labels: dict, meta: dict, args) -> None:
     rows = [summary(path, rs, per[labels[path]] if path in labels else None) for path, rs in per.items()]
     print_table(rows)
     result = {"meta": meta, "rows": rows,
