@@ -124,7 +124,7 @@ def test_forced_logprobs_equal_the_in_process_teacher_forced_logits(server, mode
         assert math.isclose(logprob, float(want[pos, token]), abs_tol=1e-4)
         got = dict(zip(ids_of(list(top)), top.values()))
         best = torch.topk(want[pos], 20)
-        assert list(got)[0] == int(best.indices[0])
+        assert next(iter(got)) == int(best.indices[0])
         for i, v in zip(best.indices.tolist(), best.values.tolist()):
             if i in got:
                 assert math.isclose(got[i], v, abs_tol=1e-4), (pos, i)
