@@ -17,41 +17,24 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import socket
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-import uvicorn
+from local_servers import serve as serve_app  # this script's folder is on sys.path
 
 from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
 from kvblend.model.loader import load_model
-from kvblend.server.app import ServerConfig, create_app
+from kvblend.server.app import ServerConfig
 
 MODEL = "bench"
 
 
-@contextmanager
 def serve(engine: Engine, max_batch: int):
-    app = create_app(engine, ServerConfig(model_name=MODEL, max_batch=max_batch, max_queue=256))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join()
-        sock.close()
+    return serve_app(engine, ServerConfig(model_name=MODEL, max_batch=max_batch, max_queue=256))
 
 
 def stream(url: str, body: dict) -> tuple[float, int]:

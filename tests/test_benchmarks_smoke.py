@@ -84,6 +84,22 @@ def test_serve_bench(tmp_path):
     assert [r["mode"] for r in result["rag"]] == ["full", "prefix", "blend"]
 
 
+def test_http_yardstick(tmp_path, tiny_data):
+    """Both orders in process and through the server, and a second replica on a fresh Redis."""
+    out = tmp_path / "yardstick.json"
+    run([bench("http_yardstick"), "--data", str(tiny_data), "--offset", "0", "--limit", "1", "--answer-tokens", "4",
+         "--tf-positions", "2", "--dtype", "float32", "--redis", "--replicas", "2", "--out", str(out)], tmp_path)
+    rows = {r["path"]: r for r in json.loads(out.read_text())["rows"]}
+    assert list(rows) == ["in-process order", "in-process shuffled", "HTTP order", "HTTP shuffled",
+                          "HTTP replica order", "HTTP replica shuffled"]
+    for path, row in rows.items():
+        assert row["n"] == 1 and 0 <= row["top1_agree"] <= 1 and row["kl_answer_top20"] >= 0
+        if path.startswith("HTTP"):  # every passage was posted: blend hit them all, on either replica
+            assert row["chunk_misses"] == 0 and row["kl_answer_exact"] is None
+        else:  # the top-20 KL coarse-grains the exact one: never above it
+            assert row["kl_answer_top20"] <= row["kl_answer_exact"] + 1e-6
+
+
 def test_results_renderer_rebuilds_the_marked_tables_and_the_plots(tmp_path, tiny_data):
     """`make results` in small: a tiny eval and a tiny blend_phases run, then the renderer over
     a copy of docs/results.md. Only the marked blocks change; the plots are written."""

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kvblend.eval import metrics
-from kvblend.eval.metrics import gold_score, kl_divergence, normalize_answer, qa_f1, rouge_l
+from kvblend.eval.metrics import gold_score, kl_divergence, kl_listed, normalize_answer, qa_f1, rouge_l, top_logprobs
 
 
 def test_normalize_answer():
@@ -98,3 +98,23 @@ def test_kl_nonnegative_float32_and_stable():
 def test_kl_shape_mismatch():
     with pytest.raises(ValueError, match="shapes"):
         kl_divergence(torch.zeros(2, 5), torch.zeros(2, 6))
+
+
+def test_kl_from_listed_logprobs_is_a_lower_bound_reaching_the_exact_kl():
+    torch.manual_seed(0)
+    p, q = torch.randn(6, 50) * 2, torch.randn(6, 50) * 2
+    exact = kl_divergence(p, q)
+    for row in range(6):
+        coarse = [kl_listed(top_logprobs(p[row], k), top_logprobs(q[row], k)) for k in (1, 5, 20, 50)]
+        assert all(c <= float(exact[row]) + 1e-6 for c in coarse)
+        assert coarse[-1] == pytest.approx(float(exact[row]), rel=1e-4, abs=1e-6)  # everything listed: exact
+    same = top_logprobs(p[0], 20)
+    assert kl_listed(same, dict(same)) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_kl_listed_two_class_hand_computed_and_rest_bucket():
+    # Listed {0} on both sides, the rest one bucket: P = (0.5, 0.5), Q = (0.75, 0.25).
+    p, q = {0: math.log(0.5)}, {0: math.log(0.75), 7: math.log(0.2)}  # 7: listed by Q only -> rest
+    assert kl_listed(p, q) == pytest.approx(0.5 * math.log(0.5 / 0.75) + 0.5 * math.log(0.5 / 0.25), rel=1e-9)
+    tokens = top_logprobs(torch.tensor([0.0, 3.0, 1.0]), 1, also=2)
+    assert list(tokens) == [1, 2] and tokens[1] > tokens[2]

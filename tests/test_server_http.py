@@ -113,7 +113,7 @@ BAD_FIELDS = [
     ({"model": MODEL_NAME, "prompt": "hi", "stop": [""]}, "stop"),
     ({"model": MODEL_NAME, "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": MODEL_NAME, "prompt": "hi", "stream": "yes"}, "stream"),
-    ({"model": MODEL_NAME, "prompt": "hi", "logprobs": 3}, "logprobs"),
+    ({"model": MODEL_NAME, "prompt": "hi", "logprobs": 30}, "logprobs"),
     ({"model": MODEL_NAME, "prompt": ["a", "b"]}, None),
     ({"model": MODEL_NAME, "prompt": []}, "prompt"),
     ({"model": MODEL_NAME, "prompt": [1, True]}, None),

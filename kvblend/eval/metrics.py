@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 import string
 from collections import Counter
@@ -115,3 +116,32 @@ def kl_divergence(p_logits: torch.Tensor, q_logits: torch.Tensor) -> torch.Tenso
     log_q = torch.log_softmax(q_logits.float().to(log_p.device), dim=-1)
     kl = (log_p.exp() * (log_p - log_q)).sum(dim=-1)
     return kl.clamp_min(0.0)  # rounding can give -1e-9 for equal distributions
+
+
+def top_logprobs(logits: torch.Tensor, k: int, also: int | None = None) -> dict[int, float]:
+    """One position's k most likely tokens and their logprobs (token id -> logprob), plus token
+    `also` (the sampled or forced one), as the server's completions logprobs list them."""
+    log_p = torch.log_softmax(logits.float(), dim=-1)
+    top = torch.topk(log_p, k)
+    out = dict(zip(top.indices.tolist(), top.values.tolist()))
+    if also is not None:
+        out.setdefault(also, float(log_p[also]))
+    return out
+
+
+def kl_listed(p: dict[int, float], q: dict[int, float]) -> float:
+    """KL(P || Q) in nats from the logprobs each side lists (e.g. its top 20): each token listed on
+    both sides is a bucket, everything else one "rest" bucket per side (1 minus the listed mass).
+    A token listed on one side only has no known probability on the other, so it goes to rest too.
+    This coarse-grains both distributions the same way, so it is a lower bound of the exact KL
+    (log-sum inequality), equal to it when every token with mass is listed on both sides."""
+    shared = p.keys() & q.keys()
+    kl, p_rest, q_rest = 0.0, 1.0, 1.0
+    for t in shared:
+        pt, qt = math.exp(p[t]), math.exp(q[t])
+        kl += pt * (p[t] - q[t])
+        p_rest, q_rest = p_rest - pt, q_rest - qt
+    p_rest, q_rest = max(p_rest, 0.0), max(q_rest, 1e-12)  # rounding: the listed mass can pass 1 by an ulp
+    if p_rest > 1e-12:
+        kl += p_rest * math.log(p_rest / q_rest)
+    return max(kl, 0.0)

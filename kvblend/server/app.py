@@ -139,6 +139,9 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                               "documents")
 
     def generation(body: Sampling, ids: list[int], max_tokens: int | None, default_max: int, ns: str) -> Request:
+        forced = body.kvblend.forced_tokens if body.kvblend else None
+        if forced is not None:
+            max_tokens = forced_count(forced, max_tokens, body)
         if max_tokens is None:  # unset: the default, as far as the server's limit and the context allow
             max_tokens = max(1, min(default_max, config.max_tokens, engine.max_len - len(ids)))
         if max_tokens > config.max_tokens:
@@ -155,8 +158,28 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             n = len(engine.blend_cfg.check_layers)
             blend_cfg = dataclasses.replace(engine.blend_cfg, ratios=[opts.recompute_ratio] * n)
         params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
-                                seed=body.seed, stop=list(body.stop or []))
-        return Request(ids, params, mode, ns, blend_cfg).bind()
+                                seed=body.seed, stop=list(body.stop or []),
+                                ignore_eos=body.ignore_eos or forced is not None)
+        return Request(ids, params, mode, ns, blend_cfg, forced=forced,
+                       top_logprobs=body.top_logprobs_wanted()).bind()
+
+    def forced_count(forced: list[int], max_tokens: int | None, body: Sampling) -> int:
+        """Forced tokens are the whole continuation: max_tokens is their count."""
+        param = "kvblend.forced_tokens"
+        vocab = engine.runner.cfg.vocab_size
+        bad = [t for t in forced if t >= vocab]
+        if bad:
+            raise bad_request(f"{param}: token ids {bad[:5]} are out of the vocabulary: ids must be in [0, {vocab})",
+                              param)
+        if max_tokens is not None and max_tokens != len(forced):
+            raise bad_request(f"max_tokens {max_tokens} differs from the {len(forced)} forced tokens: leave it out "
+                              "or give their count", "max_tokens")
+        if body.stop:
+            raise bad_request("stop strings cannot end a forced continuation: leave stop out", "stop")
+        if len(forced) > config.max_tokens:
+            raise bad_request(f"{len(forced)} forced tokens; at most {config.max_tokens} (this server's max_tokens)",
+                              param)
+        return len(forced)
 
     def submit(req: Request) -> None:
         try:
@@ -190,7 +213,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
 
     async def respond(request: HTTPRequest, req: Request, body: Sampling, kind: str):
         submit(req)
-        stream = Reply(req, TextStream(tokenizer, req.params.stop), kind, config.model_name, metrics)
+        stream = Reply(req, TextStream(tokenizer, req.params.stop), kind, config.model_name, metrics,
+                       tokens_as_ids=body.return_tokens_as_token_ids)
         if body.stream:
             return StreamingResponse(stream.sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -9,6 +9,7 @@ import time
 import uuid
 
 from .errors import APIError
+from .logprobs import Logprobs
 from .metrics import ServerMetrics
 from .scheduler import Done, Failed, Prefilled, Request, Token
 from .text_stream import TextStream
@@ -19,8 +20,10 @@ log = logging.getLogger(__name__)
 class Reply:
     """One request's answer, as a JSON body or as server-sent events in OpenAI's chunk format."""
 
-    def __init__(self, req: Request, text: TextStream, kind: str, model: str, metrics: ServerMetrics):
+    def __init__(self, req: Request, text: TextStream, kind: str, model: str, metrics: ServerMetrics,
+                 tokens_as_ids: bool = False):
         self.req, self.text, self.kind, self.model, self.metrics = req, text, kind, model, metrics
+        self.logprobs = Logprobs(kind, text.tokenizer, tokens_as_ids) if req.top_logprobs is not None else None
         self.id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.prompt_metrics = None
@@ -35,6 +38,8 @@ class Reply:
                 self.prompt_metrics = event.metrics
             elif isinstance(event, Token):
                 self.n_tokens += 1
+                if self.logprobs is not None:  # its text starts where the text so far ends
+                    self.logprobs.add(event, len(self.text.text))
                 piece = self.text.push(event.id)
                 if piece:
                     yield "text", piece
@@ -84,23 +89,33 @@ class Reply:
             else:
                 finish = value
         text = "".join(texts)
+        logprobs = self._take_logprobs()
+        if logprobs is None and self.logprobs is not None:  # asked for, but no token came
+            logprobs = {"content": [], "refusal": None} if self.kind != "text_completion" else \
+                {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         if self.kind == "text_completion":
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": finish}
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
                       "finish_reason": finish}
         return {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
                 "choices": [choice], **self.finish()}
 
+    def _take_logprobs(self) -> dict | None:
+        return self.logprobs.take() if self.logprobs is not None else None
+
     def _chunk(self, piece: str | None, finish: str | None, role: bool = False) -> dict:
+        # The logprobs of the tokens since the last chunk (a token whose text is held back, a
+        # half character or a possible stop string, comes with the chunk that sends its text).
+        logprobs = None if role else self._take_logprobs()
         if self.kind == "text_completion":
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "text": piece or "", "logprobs": logprobs, "finish_reason": finish}
             kind = "text_completion"
         else:
             delta = {} if piece is None else {"content": piece}
             if role:
                 delta["role"] = "assistant"
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             kind = "chat.completion.chunk"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": [choice]}
 

@@ -27,9 +27,10 @@ import torch
 
 from ..blend.fusor import BlendConfig
 from ..engine.engine import Engine, RequestError, RequestMetrics
-from ..engine.sampler import Sampler, SamplingParams
+from ..engine.sampler import SamplingParams
 from ..model.runner import KEY_BLOCK, KVCache
 from .metrics import ServerMetrics
+from .token_picker import Token, TokenPicker
 
 log = logging.getLogger(__name__)
 
@@ -37,11 +38,6 @@ log = logging.getLogger(__name__)
 @dataclass
 class Prefilled:
     metrics: RequestMetrics  # the prompt's: TTFT, tokens reused and recomputed, chunk hits
-
-
-@dataclass
-class Token:
-    id: int
 
 
 @dataclass
@@ -65,6 +61,8 @@ class Request:
     mode: str
     namespace: str
     blend_cfg: BlendConfig | None = None
+    forced: list[int] | None = None  # teacher forcing: these are the tokens, not sampled ones
+    top_logprobs: int | None = None  # logprobs with this many most likely tokens; None: none
     arrival: float = field(default_factory=time.perf_counter)
     admitted: float | None = None  # when the engine loop took it from the queue
     loop: asyncio.AbstractEventLoop | None = None
@@ -78,6 +76,9 @@ class Request:
 
     def cancel(self) -> None:
         self.cancelled.set()
+
+    def picker(self) -> TokenPicker:
+        return TokenPicker(self.params, self.forced, self.top_logprobs)
 
     def emit(self, event) -> None:
         try:
@@ -96,12 +97,13 @@ class Job:
 
 @dataclass
 class Sequence:
-    """A running request: its KV cache, its sampler and the tokens so far."""
+    """A running request: its KV cache, its token picker and the tokens so far."""
 
     request: Request
     cache: KVCache
-    sampler: Sampler
+    picker: TokenPicker
     tokens: list[int]
+    last: Token  # the newest token, with its logprobs when asked
     metrics: RequestMetrics
     missed: list[tuple[int, int]] = field(default_factory=list)  # chunks stored once the answer is done
 
@@ -253,8 +255,8 @@ class Scheduler:
             with torch.inference_mode(), self.engine.namespace(req.namespace):
                 plan, out = engine.prefill(req.token_ids, req.mode, extra_capacity=req.params.max_tokens,
                                            blend_cfg=req.blend_cfg)
-                sampler = Sampler(req.params)
-                first = sampler(out.logits)
+                picker = req.picker()
+                first = picker(out.logits)
                 metrics = RequestMetrics.from_prefill(req.mode, len(req.token_ids), out.stats)
                 metrics.ttft_s = time.perf_counter() - req.arrival
                 # Exact rows now (a copy); the chunks it missed after the answer (store_missed).
@@ -266,7 +268,7 @@ class Scheduler:
             log.exception("prefill failed")
             req.emit(Failed(500, f"prefill failed: {type(e).__name__}: {e}"))
             return
-        self._start(req, out.cache, sampler, first, metrics, missed)
+        self._start(req, out.cache, picker, first, metrics, missed)
 
     def _prefill_step(self) -> None:
         job = self.prefilling
@@ -287,18 +289,18 @@ class Scheduler:
         if logits is None:
             return
         self.prefilling = None
-        sampler = Sampler(req.params)
-        first = sampler(logits)
+        picker = req.picker()
+        first = picker(logits)
         n = len(req.token_ids)
         metrics = RequestMetrics(mode="full", prompt_tokens=n, recomputed_tokens=n,
                                  ttft_s=time.perf_counter() - req.arrival)
-        self._start(req, job.cache, sampler, first, metrics)
+        self._start(req, job.cache, picker, first, metrics)
 
-    def _start(self, req: Request, cache: KVCache, sampler: Sampler, first: int, metrics: RequestMetrics,
+    def _start(self, req: Request, cache: KVCache, picker: TokenPicker, first: Token, metrics: RequestMetrics,
                missed: list[tuple[int, int]] | None = None) -> None:
         """A prefilled request joins the running batch with its first token."""
         self.metrics.observe_prefill(req.mode, metrics.ttft_s, metrics)
-        seq = Sequence(req, cache, sampler, [first], metrics, missed or [])
+        seq = Sequence(req, cache, picker, [first.id], first, metrics, missed or [])
         self.running.append(seq)
         req.emit(Prefilled(metrics))
         self._after_token(seq)
@@ -315,7 +317,8 @@ class Scheduler:
                 self._finish(seq, Failed(500, f"decode failed: {type(e).__name__}: {e}"))
             return
         for row, seq in enumerate(batch):
-            seq.tokens.append(seq.sampler(logits[row]))
+            seq.last = seq.picker(logits[row])
+            seq.tokens.append(seq.last.id)
             self._after_token(seq)
 
     def _after_token(self, seq: Sequence) -> None:
@@ -324,7 +327,7 @@ class Scheduler:
         if not params.ignore_eos and token in self.engine.eos_ids:
             self._finish(seq, Done("stop", seq.metrics))
             return
-        seq.request.emit(Token(token))
+        seq.request.emit(seq.last)
         if len(seq.tokens) >= params.max_tokens:
             self._finish(seq, Done("length", seq.metrics))
 

@@ -1,18 +1,21 @@
 """Request bodies of the HTTP API (OpenAI's fields plus kvblend's extensions), validated strictly:
 a string where a number belongs is an error, not a conversion. Fields OpenAI clients send that
 change nothing here (user, frequency_penalty at 0, ...) are ignored; fields that would change the
-answer in ways kvblend does not do (n > 1, logprobs, echo) are refused."""
+answer in ways kvblend does not do (n > 1, echo) are refused."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 Mode = Literal["full", "prefix", "reuse", "blend"]
 # Namespaces join cache keys: short, printable, no separators that could alias another tenant's.
 NAMESPACE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 MAX_SEED = 2**63 - 1
+# Most likely tokens a reply lists per position: OpenAI's chat cap (its legacy completions cap is 5;
+# kvblend allows 20 there too, so both endpoints can feed a top-20 comparison).
+MAX_LOGPROBS = 20
 # An empty document is no chunk: it would silently shift which key belongs to which document.
 Document = Annotated[str, Field(min_length=1)]
 
@@ -25,6 +28,9 @@ class KvblendOptions(Strict):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)  # a typo here is a mistake
     mode: Mode | None = None
     recompute_ratio: float | None = Field(default=None, ge=0.0, le=1.0)
+    # Teacher forcing: these ids are fed as the continuation instead of sampled ones (EOS does not
+    # end it; max_tokens is their count), so logprobs score a given answer under this mode's KV.
+    forced_tokens: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
 
 
 class Sampling(Strict):
@@ -39,7 +45,10 @@ class Sampling(Strict):
     n: int = Field(default=1, ge=1, le=1)
     stream: bool = False
     stream_options: dict | None = None
-    logprobs: bool | int | None = None
+    # vLLM's flag: logprobs name each token "token_id:<id>" rather than by its text, which is
+    # ambiguous (several ids can decode to the same text).
+    return_tokens_as_token_ids: bool = False
+    ignore_eos: bool = False  # vLLM's flag: decode on past EOS, to max_tokens (EOS tokens included)
     # kvblend extensions.
     documents: list[Document] | None = None
     system: str | None = None  # the system prompt placed before `documents`
@@ -62,13 +71,6 @@ class Sampling(Strict):
     logit_bias: dict | None = None
     tools: list | None = None
     response_format: dict | None = None
-
-    @field_validator("logprobs")
-    @classmethod
-    def _no_logprobs(cls, value):
-        if value not in (None, False, 0):
-            raise ValueError("logprobs are not supported")
-        return value
 
     @field_validator("presence_penalty", "frequency_penalty")
     @classmethod
@@ -98,6 +100,12 @@ class CompletionRequest(Sampling):
     echo: bool = False
     best_of: int = Field(default=1, ge=1, le=1)
     suffix: str | None = Field(default=None, max_length=0)
+    # OpenAI's legacy form: the log-probability of each token and of the `logprobs` most likely ones.
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    def top_logprobs_wanted(self) -> int | None:
+        """How many most likely tokens each position lists; None: no logprobs at all."""
+        return self.logprobs
 
     @field_validator("prompt")
     @classmethod
@@ -133,6 +141,17 @@ class Message(Strict):
 class ChatRequest(Sampling):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _top_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
+    def top_logprobs_wanted(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class ChunksRequest(Strict):
