@@ -1,0 +1,64 @@
+"""How strongly the selector should trust the probe's attention: score = attention^p x |dV|.
+
+The engine weighs each candidate's V deviation at the check layer by the attention the question
+pays it (p = 1); p = 0 is plain deviation ranking (HKVD, with the probe's check candidates still
+chosen by attention). On Qwen2.5-Coder-0.5B an oracle ranking by the true V drift beat rankings by
+the question's attention (experiments/error_sources.py), which asks whether a smaller p pays.
+Teacher-forced against full's greedy answer, same positions as `kvblend eval`:
+
+    python experiments/attention_power.py --model qwen2.5-coder-0.5b-instruct \\
+        --data ../shared/data/hotpotqa_s.dev.json --offset 30 --limit 6 --powers 1,0.5,0.25
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvblend.blend import fusor
+from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
+from kvblend.eval.metrics import kl_divergence
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
+from dev_records import add_record_flags, open_records  # noqa: E402
+
+POWER = {"p": 1.0}
+
+
+def powered(dev, attention):
+    return attention.to(dev.device).pow(POWER["p"]) * dev.sqrt()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_record_flags(ap, limit=6)
+    ap.add_argument("--ratios", default="0.08")
+    ap.add_argument("--powers", default="1,0.5,0.25")
+    args = ap.parse_args()
+    fusor.weighted = powered  # the Selector reads fusor's name at each check
+    engine, records = open_records(args)
+    ratios = [float(r) for r in args.ratios.split(",")]
+    powers = [float(p) for p in args.powers.split(",")]
+    scores = {(r, p): [] for r in ratios for p in powers}
+    for record in tqdm(records, desc="records"):
+        ids = prompt_ids(engine, record)
+        _, answer, ref = full_reference(engine, ids)
+        for r, p in scores:
+            POWER["p"] = p
+            logits, _ = forced_logits(engine, ids, "blend", replace(engine.blend_cfg, ratios=[r]), answer)
+            scores[r, p].append((float(kl_divergence(ref, logits).mean()),
+                                 float((logits.argmax(-1) == ref.argmax(-1)).float().mean())))
+    print(f"\n{args.data}, records {args.offset}-{args.offset + len(records) - 1}, {engine.model.dtype}")
+    print("| ratio | attention power | kl_answer | top1_agree | per record kl |\n| --- | --- | --- | --- | --- |")
+    for (r, p), s in scores.items():
+        print(f"| {r:g} | {p:g} | {statistics.mean(x[0] for x in s):.4f} | {statistics.mean(x[1] for x in s):.3f} "
+              f"| {' '.join(f'{x[0]:.3f}' for x in s)} |")
+
+
+if __name__ == "__main__":
+    main()
