@@ -1,4 +1,4 @@
-"""How strongly the selector should trust the probe's attention: score = attention^p x |dV|.
+"""How strongly the selector should trust the probe's attention: score = attention^p x |dV| (`attention_power`).
 
 The engine weighs each candidate's V deviation at the check layer by the attention the question
 pays it (p = 1); p = 0 is plain deviation ranking (HKVD, with the probe's check candidates still
@@ -20,18 +20,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvblend.blend import fusor
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records, flops
 from dev_records import add_record_flags, open_records  # noqa: E402
-
-POWER = {"p": 1.0}
-
-
-def powered(dev, attention):
-    return attention.to(dev.device).pow(POWER["p"]) * dev.sqrt()
+from flops import work_frac  # noqa: E402
 
 
 def main() -> None:
@@ -40,7 +34,6 @@ def main() -> None:
     ap.add_argument("--ratios", default="0.08")
     ap.add_argument("--powers", default="1,0.5,0.25")
     args = ap.parse_args()
-    fusor.weighted = powered  # the Selector reads fusor's name at each check
     engine, records = open_records(args)
     ratios = [float(r) for r in args.ratios.split(",")]
     powers = [float(p) for p in args.powers.split(",")]
@@ -49,14 +42,17 @@ def main() -> None:
         ids = prompt_ids(engine, record)
         _, answer, ref = full_reference(engine, ids)
         for r, p in scores:
-            POWER["p"] = p
-            logits, _ = forced_logits(engine, ids, "blend", replace(engine.blend_cfg, ratios=[r]), answer)
+            cfg = replace(engine.blend_cfg, ratios=[r], attention_power=p)
+            logits, out = forced_logits(engine, ids, "blend", cfg, answer)
             scores[r, p].append((float(kl_divergence(ref, logits).mean()),
-                                 float((logits.argmax(-1) == ref.argmax(-1)).float().mean())))
+                                 float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
+                                 work_frac(engine, len(ids), "blend", cfg, out.stats)))
     print(f"\n{args.data}, records {args.offset}-{args.offset + len(records) - 1}, {engine.model.dtype}")
-    print("| ratio | attention power | kl_answer | top1_agree | per record kl |\n| --- | --- | --- | --- | --- |")
+    print("| ratio | attention power | kl_answer | top1_agree | work_frac (FLOPs) | per record kl |\n"
+          "| --- | --- | --- | --- | --- | --- |")
     for (r, p), s in scores.items():
         print(f"| {r:g} | {p:g} | {statistics.mean(x[0] for x in s):.4f} | {statistics.mean(x[1] for x in s):.3f} "
+              f"| {statistics.mean(x[2] for x in s):.3f} "
               f"| {' '.join(f'{x[0]:.3f}' for x in s)} |")
 
 

@@ -59,6 +59,10 @@ class BlendConfig:
     # The probe computes only the suffix's last `probe_suffix_tokens` rows (0: all of it) and hides
     # the rest of the suffix from them, as the separators: the question's end reads the passages.
     probe_suffix_tokens: int = 32
+    # The selector's score is attention^attention_power x deviation: 1 weighs the deviation by the
+    # probe's attention, 0 ranks the check candidates (still the probe's top rows) by deviation
+    # alone. See docs/experiments.md#qwen25-05b-where-blends-error-comes-from.
+    attention_power: float = 1.0
 
     def __post_init__(self):
         if self.check_candidates and self.check_candidates < 1:
@@ -67,6 +71,8 @@ class BlendConfig:
             raise ValueError(f"probe_layers must be >= 1 (or None for every layer), got {self.probe_layers}")
         if not 0 <= self.probe_attention_from < 1:
             raise ValueError(f"probe_attention_from must be in [0, 1), got {self.probe_attention_from}")
+        if self.attention_power < 0:
+            raise ValueError(f"attention_power must be >= 0, got {self.attention_power}")
         if self.probe_suffix_tokens < 0:
             raise ValueError(f"probe_suffix_tokens must be >= 0 (0: the whole suffix), got {self.probe_suffix_tokens}")
         if not 0 < self.stale_key_scale <= 1:
@@ -111,7 +117,7 @@ class Selector:
     def __init__(self, checks: dict[int, float], cfg: BlendConfig, reused: torch.Tensor,
                  attention: torch.Tensor | None):
         self.checks, self.reused, self.attention = checks, reused, attention
-        self.signal, self.check_layer_kv = cfg.deviation, cfg.check_layer_kv
+        self.signal, self.check_layer_kv, self.power = cfg.deviation, cfg.check_layer_kv, cfg.attention_power
         self.n_reused = int(reused.sum())
 
     def keep(self, layer: int, active: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -125,7 +131,7 @@ class Selector:
         score = deviation(self.signal, k[:, cand_idx], cache.k[layer][:, cand_pos],
                           v[:, cand_idx], cache.v[layer][:, cand_pos])
         if self.attention is not None:
-            score = weighted(score, self.attention[cand_pos])
+            score = weighted(score, self.attention[cand_pos], self.power)
         keep = ~cand
         keep[cand_idx[top_tokens(score, n_selected(self.checks[layer], self.n_reused))]] = True
         return keep
