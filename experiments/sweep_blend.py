@@ -50,7 +50,7 @@ def main() -> None:
         reuse_fields = {k: v for k, v in fields.items() if k == "stale_key_scale"}
         variants[f"reuse {tag}".strip()] = ("reuse", replace(engine.blend_cfg, **reuse_fields))
         for r in (float(x) for x in args.ratios.split(",")):
-            variants[f"blend {r:g} {tag}".strip()] = ("blend", replace(engine.blend_cfg, ratios=[r], **fields))
+            variants[f"blend {r:g} {tag}".strip()] = ("blend", replace(engine.blend_cfg, **{"ratios": [r], **fields}))  # a variant may set its own ratios
     scores = {label: [] for label in variants}
     for record in tqdm(records, desc="records"):
         ids = prompt_ids(engine, record)

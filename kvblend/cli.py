@@ -41,6 +41,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="share of the layers below which the probe's attention is not summed (default: 1/3)")
     p.add_argument("--probe-suffix-tokens", type=int,
                    help="the probe computes only the suffix's last this many tokens (default: 32; 0: all of it)")
+    p.add_argument("--attention-power", type=float,
+                   help="selector score = attention^p x deviation (default: 1; 0: deviation alone among the candidates)")
     p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
     p.add_argument("--neighbour-context", action=argparse.BooleanOptionalAction, default=None,
                    help="precompute each chunk of a known collection after its most similar chunk (default: on)")
@@ -87,7 +89,8 @@ def _settings(args):
                          weight_by_attention=args.weight_by_attention, stale_key_scale=args.stale_key_scale,
                          probe_layers=args.probe_layers, check_candidates=args.check_candidates,
                          probe_separators=args.probe_separators, probe_attention_from=args.probe_attention_from,
-                         probe_suffix_tokens=args.probe_suffix_tokens, chunk_context=args.chunk_context,
+                         probe_suffix_tokens=args.probe_suffix_tokens, attention_power=args.attention_power,
+                         chunk_context=args.chunk_context,
                          neighbour_context=args.neighbour_context, neighbour_index=args.neighbour_index,
                          exact_first_chunk=args.exact_first_chunk, separator=args.separator,
                          namespace=args.namespace, shared_namespace=args.shared_namespace,

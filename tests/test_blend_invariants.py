@@ -432,3 +432,17 @@ def test_a_probe_over_the_suffix_tail_skips_only_its_head_and_keeps_the_exact_en
     assert_the_probe_skipped(engine, ids, head, whole, tailed, probe_suffix_tokens=tail)
     with pytest.raises(ValueError, match="probe_suffix_tokens"):
         replace(engine.blend_cfg, probe_suffix_tokens=-1)
+
+
+def test_attention_power_zero_selects_as_plain_hkvd_over_the_same_candidates():
+    engine = make_engine(stale_key_scale=0.5)
+    cs = chunks(3, seed=25)  # a prompt where the attention weighting changes the choice at 10%
+    engine.precompute(prompt(cs))
+    ids = prompt([cs[2], cs[0], cs[1]])
+    _, plain = prefill(engine, ids, "blend", ratios=[0.1], weight_by_attention=False)
+    _, weighted = prefill(engine, ids, "blend", ratios=[0.1], check_candidates=0)
+    _, powered = prefill(engine, ids, "blend", ratios=[0.1], check_candidates=0, attention_power=0.0)
+    assert powered.stats.selected_positions == plain.stats.selected_positions
+    assert weighted.stats.selected_positions != plain.stats.selected_positions
+    with pytest.raises(ValueError, match="attention_power"):
+        replace(engine.blend_cfg, attention_power=-1.0)

@@ -63,6 +63,10 @@ class BlendConfig:
     # prompt a ratio leaves a few dozen tokens, and one stale token there can flip a near-tie in
     # the answer; from a few thousand tokens on the ratio's own budget is larger and this is moot.
     min_recompute_tokens: int = 0
+    # The selector's score is attention^attention_power x deviation: 1 weighs the deviation by the
+    # probe's attention, 0 ranks the check candidates (still the probe's top rows) by deviation
+    # alone. See docs/experiments.md#qwen25-05b-where-blends-error-comes-from.
+    attention_power: float = 1.0
 
     def __post_init__(self):
         if self.check_candidates and self.check_candidates < 1:
@@ -73,6 +77,8 @@ class BlendConfig:
             raise ValueError(f"probe_attention_from must be in [0, 1), got {self.probe_attention_from}")
         if self.min_recompute_tokens < 0:
             raise ValueError(f"min_recompute_tokens must be >= 0, got {self.min_recompute_tokens}")
+        if self.attention_power < 0:
+            raise ValueError(f"attention_power must be >= 0, got {self.attention_power}")
         if self.probe_suffix_tokens < 0:
             raise ValueError(f"probe_suffix_tokens must be >= 0 (0: the whole suffix), got {self.probe_suffix_tokens}")
         if not 0 < self.stale_key_scale <= 1:
@@ -117,7 +123,7 @@ class Selector:
     def __init__(self, checks: dict[int, float], cfg: BlendConfig, reused: torch.Tensor,
                  attention: torch.Tensor | None):
         self.checks, self.reused, self.attention = checks, reused, attention
-        self.signal, self.check_layer_kv = cfg.deviation, cfg.check_layer_kv
+        self.signal, self.check_layer_kv, self.power = cfg.deviation, cfg.check_layer_kv, cfg.attention_power
         self.n_reused, self.minimum = int(reused.sum()), cfg.min_recompute_tokens
 
     def keep(self, layer: int, active: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -131,7 +137,7 @@ class Selector:
         score = deviation(self.signal, k[:, cand_idx], cache.k[layer][:, cand_pos],
                           v[:, cand_idx], cache.v[layer][:, cand_pos])
         if self.attention is not None:
-            score = weighted(score, self.attention[cand_pos])
+            score = weighted(score, self.attention[cand_pos], self.power)
         keep = ~cand
         keep[cand_idx[top_tokens(score, n_selected(self.checks[layer], self.n_reused, self.minimum))]] = True
         return keep
