@@ -27,7 +27,6 @@ from dataclasses import dataclass, replace
 from ..store.tier import Meter
 from .fusor import BlendConfig
 from .plan import Plan
-from .select import n_selected
 
 
 @dataclass
@@ -71,12 +70,12 @@ def work(plan: Plan, cfg: BlendConfig, ratio: float, n_layers: int) -> Work:
             probe_rows -= max(0, T - cfg.probe_suffix_tokens - max(suffix, P))
     candidates = probe and cfg.check_candidates
     load_from = probe_depth if candidates else max(probe_depth, first)
-    n_first = n_selected(ratios[cfg.check_layers.index(first)], reused, cfg.min_recompute_tokens)
+    n_first = cfg.budget(ratios[cfg.check_layers.index(first)], reused)
     early = must + (min(reused, math.ceil(cfg.check_candidates * n_first)) if candidates else reused)
     rows, kept = [], early
     for layer in range(n_layers):
         if layer in cfg.check_layers:
-            kept = must + n_selected(ratios[cfg.check_layers.index(layer)], reused, cfg.min_recompute_tokens)
+            kept = must + cfg.budget(ratios[cfg.check_layers.index(layer)], reused)
         rows.append(kept)
     return Work([*range(probe_depth), *range(load_from, n_layers)], probe_depth, probe_rows, rows)
 
@@ -169,9 +168,7 @@ class LoadingController:
             for _ in range(20 if lo < hi else 0):  # the estimate grows with the ratio
                 mid = (lo + hi) / 2
                 lo, hi = (mid, hi) if estimate(mid)[0] <= budget else (lo, mid)
-            least = cfg.min_recompute_tokens
-            changes = n_selected(lo, reused, least) > n_selected(floor, reused, least)
-            ratio = lo if changes else floor  # or it changes nothing
+            ratio = lo if cfg.budget(lo, reused) > cfg.budget(floor, reused) else floor  # or it changes nothing
         ttft, wait = estimate(ratio)
         w = work(plan, cfg, ratio, n_layers)
         if waits and w.probe_layers == n_layers and not dropped:

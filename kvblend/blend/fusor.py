@@ -90,6 +90,10 @@ class BlendConfig:
         if self.check_layer_kv not in ("fresh", "cached"):
             raise ValueError(f"check_layer_kv must be 'fresh' or 'cached', got {self.check_layer_kv!r}")
 
+    def budget(self, ratio: float, n_reused: int) -> int:
+        """Reused rows a check at `ratio` keeps, this config's minimum included."""
+        return n_selected(ratio, n_reused, self.min_recompute_tokens)
+
 
 @dataclass
 class PrefillStats:
@@ -124,7 +128,7 @@ class Selector:
                  attention: torch.Tensor | None):
         self.checks, self.reused, self.attention = checks, reused, attention
         self.signal, self.check_layer_kv, self.power = cfg.deviation, cfg.check_layer_kv, cfg.attention_power
-        self.n_reused, self.minimum = int(reused.sum()), cfg.min_recompute_tokens
+        self.n_reused, self.budget = int(reused.sum()), cfg.budget
 
     def keep(self, layer: int, active: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
              cache: KVCache) -> torch.Tensor | None:
@@ -139,7 +143,7 @@ class Selector:
         if self.attention is not None:
             score = weighted(score, self.attention[cand_pos], self.power)
         keep = ~cand
-        keep[cand_idx[top_tokens(score, n_selected(self.checks[layer], self.n_reused, self.minimum))]] = True
+        keep[cand_idx[top_tokens(score, self.budget(self.checks[layer], self.n_reused))]] = True
         return keep
 
 
@@ -316,8 +320,8 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
             stale.hide(None)
         selector = Selector(checks, cfg, reused, attention) if checks else None
         if attention is not None and cfg.check_candidates:
-            first_budget = n_selected(checks[min(checks)], selector.n_reused, selector.minimum)
-            active = candidates(attention, reused, must, first_budget, cfg.check_candidates)
+            active = candidates(attention, reused, must, cfg.budget(checks[min(checks)], selector.n_reused),
+                                cfg.check_candidates)
             stale.exact_below = 1  # layer 0's loaded KV is exact for the rows not computed there
         stats.checked_positions = active.tolist()
         out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, stale, selector)
