@@ -12,17 +12,15 @@ and by blend, greedy; prints each pair and the count of equal answers per settin
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
+import sys
+from pathlib import Path
 
 from kvblend.api import LLM, SamplingParams
 
-
-def settings_grid(pairs: list[str]) -> list[dict]:
-    """["a=1,2", "b=x"] -> [{a: "1", b: "x"}, {a: "2", b: "x"}]."""
-    axes = [(name, values.split(",")) for name, values in (p.split("=", 1) for p in pairs)]
-    return [dict(zip([a for a, _ in axes], combo)) for combo in itertools.product(*[v for _, v in axes])]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # variants
+from variants import parse_grid  # noqa: E402
 
 
 def answers(llm: LLM, data: dict, mode: str, max_tokens: int) -> tuple[list[str], list[float]]:
@@ -46,7 +44,7 @@ def main() -> None:
                     help="settings to try (the grid of all combinations); default: the defaults alone")
     ap.add_argument("--quiet", action="store_true", help="counts only")
     args = ap.parse_args()
-    for overrides in settings_grid(args.set) or [{}]:
+    for overrides in parse_grid(args.set) or [{}]:
         llm = LLM(model=args.model, **overrides)
         same = total = 0
         ttft = {"full": [], "blend": []}
