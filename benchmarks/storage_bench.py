@@ -1,6 +1,7 @@
 """TTFT and quality of `blend` with chunk KV read from each storage tier (memory, disk, Redis, and a
 disk throttled to set bandwidths), with the default schedule (every layer read ahead from the
-moment the request is planned), with the former one (two layers ahead), and with the loading
+moment the request is planned, the probe reading the entries' compact copies), with the probe
+reading the full KV instead, with the former read-ahead (two layers ahead), and with the loading
 controller. One run, the same prompts for every configuration, interleaved per prompt so that
 load on the machine falls on all of them alike.
 
@@ -86,6 +87,10 @@ def drop_page_cache(directory: Path) -> None:
             os.close(fd)
 
 
+def engine_key(c: "Config") -> tuple:
+    return c.tier, c.mb_s, c.controller, c.full_probe
+
+
 @dataclass
 class Config:
     label: str
@@ -93,13 +98,15 @@ class Config:
     mb_s: float | None = None  # a throttled disk's bandwidth
     former: bool = False  # two layers read ahead instead of every layer
     controller: bool = False
+    full_probe: bool = False  # the probe reads stored KV in full, not the compact copies
 
 
 def configs_for(bandwidths: list[float], former: bool | set[str] = True, controller: bool | set[str] = True,
-                plain: bool | set[str] = True) -> list[Config]:
-    """Every tier, then the throttled disks; `plain` (the default schedule), `former` and
-    `controller` run at every tier (True) or at the ones named ("memory", "disk", "redis", or a
-    bandwidth such as "100"). Memory, the yardstick, always runs."""
+                plain: bool | set[str] = True, full_probe: bool | set[str] = True) -> list[Config]:
+    """Every tier, then the throttled disks; `plain` (the default schedule), `former`,
+    `full_probe` and `controller` run at every tier (True) or at the ones named ("memory", "disk",
+    "redis", or a bandwidth such as "100"). Memory, the yardstick, always runs (its probe reads
+    the full KV it holds)."""
     def at(which, name: str) -> bool:
         return which if isinstance(which, bool) else name in which
 
@@ -107,11 +114,15 @@ def configs_for(bandwidths: list[float], former: bool | set[str] = True, control
     for tier in ("memory", "disk", "redis"):
         if tier == "memory" or at(plain, tier):
             out.append(Config(tier, tier))
+        if tier != "memory" and at(full_probe, tier):
+            out.append(Config(f"{tier}, full-precision probe", tier, full_probe=True))
         if at(former, tier):
             out.append(Config(f"{tier}, {FORMER_DEPTH} layers ahead", tier, former=True))
     for mb in bandwidths:
         if at(plain, f"{mb:g}"):
             out.append(Config(f"disk at {mb:g} MB/s", "throttled", mb))
+        if at(full_probe, f"{mb:g}"):
+            out.append(Config(f"disk at {mb:g} MB/s, full-precision probe", "throttled", mb, full_probe=True))
         if at(former, f"{mb:g}"):
             out.append(Config(f"disk at {mb:g} MB/s, {FORMER_DEPTH} layers ahead", "throttled", mb, former=True))
         if at(controller, f"{mb:g}"):
@@ -126,18 +137,22 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
             return Engine(model, base.model_copy(update=update), sep_ids=sep_ids)
 
         mem = engine()
-        engines = {"memory": mem, "disk": engine(local_cpu=False, local_disk=str(tmp / "disk")),
-                   "redis": engine(local_cpu=False, remote_url=url)}
-        for c in configs:
-            if c.tier == "throttled" and (c.mb_s, c.controller) not in engines:
-                e = engine(local_cpu=False, local_disk=str(tmp / "slow"), loading_controller=c.controller)
-                e.store.tiers[0] = Throttled(e.store.tiers[0], c.mb_s * 1e6)
-                engines[(c.mb_s, c.controller)] = e
+        engines = {}
+        for c in configs:  # the disk and Redis engines share one store each, throttled ones another
+            if c.tier != "memory" and engine_key(c) not in engines:
+                where = {"disk": dict(local_disk=str(tmp / "disk")), "redis": dict(remote_url=url)}
+                e = engine(local_cpu=False, **where.get(c.tier, dict(local_disk=str(tmp / "slow"))),
+                           loading_controller=c.controller, compact_probe=not c.full_probe)
+                if c.tier == "throttled":
+                    e.store.tiers[0] = Throttled(e.store.tiers[0], c.mb_s * 1e6)
+                engines[engine_key(c)] = e
+        engines["memory"] = mem
 
         def engine_of(c: Config) -> Engine:
-            return engines[(c.mb_s, c.controller)] if c.tier == "throttled" else engines[c.tier]
+            return engines[engine_key(c)] if c.tier != "memory" else mem
 
-        copies = [engines["disk"], engines["redis"]] + [engines[key] for key in engines if isinstance(key, tuple)][:1]
+        copies = list({e.store.tiers[0].name + str(getattr(e.store.tiers[0], "root", "")): e
+                       for e in engines.values() if e is not mem}.values())
         runs: dict[str, list[dict]] = {c.label: [] for c in configs}
         tokens, stored_bytes, warm = [], [], set()
         for i, record in enumerate(tqdm(records, desc="prompts", disable=not progress)):
@@ -179,7 +194,10 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
             # What is measured so far, in case the run is cut short (the full file replaces it).
             Path(out).parent.mkdir(parents=True, exist_ok=True)
             Path(out).write_text(json.dumps({"partial": True, "prompts_done": i + 1, "runs": runs}, indent=1))
-        measured = {name: engines[name].store.tiers[0].meter.rate for name in ("disk", "redis")}
+        measured = {}
+        for c in configs:
+            if c.tier in ("disk", "redis"):
+                measured.setdefault(c.tier, engine_of(c).store.tiers[0].meter.rate)
         for e in engines.values():
             e.close()
 
@@ -189,6 +207,7 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
         rs = runs[c.label]
         ttft = statistics.mean(r["ttft_s"] for r in rs)
         row = {"config": c.label, "tier": c.tier, "mb_s": c.mb_s, "former": c.former, "controller": c.controller,
+               "full_probe": c.full_probe,
                "ttft_ms": 1000 * ttft, "vs_memory": ttft / ref_ttft,
                "load_wait_ms": 1000 * statistics.mean(r["load_wait_s"] for r in rs),
                "recomputed": statistics.mean(r["recomputed"] for r in rs),
@@ -227,9 +246,10 @@ def draw(payload: dict, path: str) -> None:
 
     rows = payload["rows"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    series = [("every layer ahead (default)", dict(former=False, controller=False), "o-"),
-              (f"{FORMER_DEPTH} layers ahead", dict(former=True, controller=False), "s--"),
-              ("every layer ahead + controller", dict(former=False, controller=True), "^:")]
+    series = [("compact probe, every layer ahead (default)", dict(former=False, controller=False, full_probe=False), "o-"),
+              ("full-precision probe", dict(former=False, controller=False, full_probe=True), "v-."),
+              (f"{FORMER_DEPTH} layers ahead", dict(former=True, controller=False, full_probe=False), "s--"),
+              ("+ controller", dict(former=False, controller=True, full_probe=False), "^:")]
     for name, match, style in series:
         pts = sorted((r["mb_s"], r["vs_memory"]) for r in rows
                      if r["tier"] == "throttled" and all(r[k] == v for k, v in match.items()))
@@ -267,6 +287,8 @@ def main(argv: list[str] | None = None) -> None:
                     "all, none, or comma-separated (memory always runs)")
     ap.add_argument("--former-at", default="all", help=f"where to run the {FORMER_DEPTH}-layers-ahead schedule too: "
                     "all, none, or tiers and bandwidths, comma-separated (memory,100)")
+    ap.add_argument("--full-probe-at", default="all", help="where to run with the probe reading stored KV in full "
+                    "(compact_probe off) too: all, none, or tiers and bandwidths, comma-separated")
     ap.add_argument("--controller-at", default="all", help="throttled bandwidths to run the loading controller at: "
                     "all, none, or comma-separated")
     ap.add_argument("--no-quality", action="store_true", help="leave out full prefill and the quality columns")
@@ -281,7 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         return {"all": True, "none": False}.get(arg, set(arg.split(",")))
 
     configs = configs_for([float(b) for b in args.bandwidths.split(",") if b], which(args.former_at),
-                          which(args.controller_at), which(args.plain_at))
+                          which(args.controller_at), which(args.plain_at), which(args.full_probe_at))
     run(model, records, base, configs, args.out, args.plot, quality=not args.no_quality)
 
 

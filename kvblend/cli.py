@@ -71,12 +71,15 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-depth", type=int, help="layers read ahead of compute (default: every layer)")
     p.add_argument("--kv-int8", action=argparse.BooleanOptionalAction, default=None,
                    help="store chunk KV as int8 with a scale per token and head")
+    p.add_argument("--compact-probe", action=argparse.BooleanOptionalAction, default=None,
+                   help="store a compact int4 copy with disk and Redis entries for the attention probe to read")
     p.add_argument("--loading-controller", action=argparse.BooleanOptionalAction, default=None,
                    help="raise the recompute ratio when reading stored KV is the bottleneck")
 
 
 _STORE_FIELDS = ("local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size", "remote_url",
-                 "max_remote_size", "remote_ttl", "layerwise", "prefetch_depth", "kv_int8", "loading_controller")
+                 "max_remote_size", "remote_ttl", "layerwise", "prefetch_depth", "kv_int8", "compact_probe",
+                 "loading_controller")
 
 
 def _settings(args):

@@ -109,7 +109,8 @@ def cmd_evict(settings: Settings, keys: list[str], all_: bool, tier: str | None)
 
 
 def cmd_verify(settings: Settings, tier: str | None) -> int:
-    """Read every entry and check every layer's checksum; bad ones are reported and deleted."""
+    """Read every entry and check every layer's checksum (and its compact copy's); bad ones are
+    reported and deleted."""
     store = persistent_store(settings)
     good = bad = 0
     for t in _tiers(store, tier):
@@ -123,7 +124,7 @@ def cmd_verify(settings: Settings, tier: str | None) -> int:
                     print(f"{t.name} {key}: bad header, deleted")
                 continue
             try:
-                entry.materialize()
+                entry.verify()
                 good += 1
             except BadEntry as e:
                 t.discard(key, e.reason)

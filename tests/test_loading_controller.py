@@ -9,7 +9,7 @@ import torch
 from redis_server import redis_server  # noqa: F401  (fixture)
 from test_store_engine import ASKED, STORED, make_engine, stored_engine
 
-from kvblend.blend.controller import LoadingController, Work, play, work
+from kvblend.blend.controller import LayerReads, LoadingController, Work, play, work
 from kvblend.engine.sampler import SamplingParams
 from kvblend.store.throttle import Throttled
 
@@ -40,13 +40,23 @@ def test_fast_tier_keeps_the_floor(tmp_path):
 
 
 def test_play_streams_reads_back_to_back_and_each_pass_waits_for_its_layer():
-    w = Work(reads=[0, 1, 2], probe_layers=3, probe_rows=1, blend_rows=[2, 2, 2])
+    w = Work(probe_reads=[0, 1, 2], blend_reads=[], compact=False, probe_layers=3, probe_rows=1,
+             blend_rows=[2, 2, 2])
     # Layers arrive at 1, 2, 3 s; the probe's layers (0.1 s) each wait for theirs, the blend pass
     # (0.2 s a layer) finds every layer read.
-    assert play(w, layer_read_s=1.0, pair_s=0.1) == pytest.approx((3.7, 2.8))
+    assert play(w, LayerReads(full=1.0), pair_s=0.1) == pytest.approx((3.7, 2.8, 2.8))
     # A blend pass that reads its own layers (no probe) waits only where reading is slower.
-    w = Work(reads=[1, 2], probe_layers=0, probe_rows=0, blend_rows=[30, 3, 3])
-    assert play(w, layer_read_s=2.0, pair_s=0.1) == pytest.approx((4.3, 0.7))
+    w = Work(probe_reads=[], blend_reads=[1, 2], compact=False, probe_layers=0, probe_rows=0, blend_rows=[30, 3, 3])
+    assert play(w, LayerReads(full=2.0), pair_s=0.1) == pytest.approx((4.3, 0.7, 0.0))
+
+
+def test_play_a_compact_probe_reads_copies_first_and_the_blend_pass_reads_in_full_behind_it():
+    w = Work(probe_reads=[0, 1, 2], blend_reads=[0, 1, 2], compact=True, probe_layers=3, probe_rows=1,
+             blend_rows=[10, 10, 10])
+    # Copies arrive at 0.25, 0.5, 0.75 s: the probe (0.1 s a layer) waits 0.25 + 0.15 + 0.15 s and
+    # ends at 0.85 s. Full layers arrive at 1.75, 2.75, 3.75 s: the blend pass (1 s a layer) waits
+    # 0.9 s for the first, then finds each read as it finishes the layer before.
+    assert play(w, LayerReads(full=1.0, compact=0.25, rest=1.0), pair_s=0.1) == pytest.approx((4.75, 1.45, 0.55))
 
 
 def test_slow_tier_raises_the_ratio_while_the_extra_rows_fill_waits_for_reads(tmp_path):
@@ -61,9 +71,10 @@ def test_slow_tier_raises_the_ratio_while_the_extra_rows_fill_waits_for_reads(tm
     cfg, d = ctl.decide(plan, engine.blend_cfg)
     assert d.dropped == 0 and 0.3 < d.ratio < 1.0 and cfg.ratios == [d.ratio]
     L, pair_s = engine.runner.n_layers, 1 / ctl.compute.rate
-    floor_s = play(work(plan, engine.blend_cfg, FLOOR, L), d.load_s, pair_s)[0]
+    reads = LayerReads(full=d.load_s)
+    floor_s = play(work(plan, engine.blend_cfg, FLOOR, L), reads, pair_s)[0]
     assert d.ttft_s <= floor_s + d.load_s  # the raise costs at most one layer's read
-    assert play(work(plan, engine.blend_cfg, d.ratio + 0.05, L), d.load_s, pair_s)[0] > floor_s + d.load_s
+    assert play(work(plan, engine.blend_cfg, d.ratio + 0.05, L), reads, pair_s)[0] > floor_s + d.load_s
     _, out = engine.prefill(ASKED, "blend", blend_cfg=cfg)
     assert len(out.stats.selected_positions) == round(d.ratio * reused)
     # The decision pins the output: the same ratio set by hand gives the same logits, bit for bit.
@@ -75,7 +86,7 @@ def test_a_full_depth_probe_waits_for_every_read_and_recompute_cannot_hide_it(tm
     """The probe needs every layer's stored KV before the blend pass begins: more recompute in
     the blend pass would only add to the wait, so the ratio stays near the floor and the decision
     says why."""
-    engine, disk, ctl = disk_engine(tmp_path)
+    engine, disk, ctl = disk_engine(tmp_path, compact_probe=False)
     plan = engine.plan(ASKED, "blend")
     must, reused = counts(plan)
     layer_bytes = sum(c.kv.meta.layer_nbytes for c in plan.chunks) + sum(kv.meta.layer_nbytes for _, kv in plan.prefix_blocks)
@@ -85,6 +96,24 @@ def test_a_full_depth_probe_waits_for_every_read_and_recompute_cannot_hide_it(tm
     L, pair_s = engine.runner.n_layers, 1 / ctl.compute.rate
     assert "probe-bound" in d.reason and d.dropped == 0 and d.wait_s > (L - 1) * 0.5 * d.load_s
     assert (d.ratio - FLOOR) * reused * L * pair_s <= d.load_s * 1.01  # no more than one layer's read
+
+
+def test_a_compact_probe_reads_a_fraction_of_the_bytes_so_the_same_tier_is_not_probe_bound(tmp_path):
+    """The same tier and compute as above, with compact copies: the probe's reads are short and
+    the full reads stream in behind it, so the expected wait falls well below a probe's over full KV."""
+    estimates = {}
+    for compact in (False, True):
+        engine, disk, ctl = disk_engine(tmp_path / str(compact), compact_probe=compact)
+        plan = engine.plan(ASKED, "blend")
+        must, reused = counts(plan)
+        layer_bytes = sum(c.kv.meta.layer_nbytes for c in plan.chunks) + sum(kv.meta.layer_nbytes for _, kv in plan.prefix_blocks)
+        ctl.compute.rate = 1e4
+        disk.meter.rate = layer_bytes * ctl.compute.rate / (must + 0.6 * reused)
+        estimates[compact] = ctl.decide(plan, engine.blend_cfg)[1]
+    assert all(c.kv is None or c.kv.has_probe_copy for c in plan.chunks)
+    assert "probe-bound" in estimates[False].reason and "probe-bound" not in estimates[True].reason
+    assert estimates[True].wait_s < 0.5 * estimates[False].wait_s
+    assert estimates[True].ttft_s < estimates[False].ttft_s
 
 
 def test_tier_slower_than_recompute_is_not_read(tmp_path):

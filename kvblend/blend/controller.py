@@ -2,8 +2,9 @@
 
 A blend prefill reads stored KV in the order its passes need it: the attention probe's layers
 first, then the layers the blend pass reads that the probe did not (with a full-depth probe,
-none). One background reader streams them back to back from the moment the request is planned;
-each pass's layer starts when the one before it is done and its KV has arrived. The controller
+none; with compact_probe, in full, those the probe read compact). One background reader
+streams them back to back from the moment the request is planned; each pass's layer starts when
+the one before it is done and its KV has arrived. The controller
 plays that schedule out layer by layer, from each tier's measured read bandwidth
 (store.tier.Meter) and the measured compute speed in (layer, row) pairs a second, and chooses:
 
@@ -16,7 +17,9 @@ plays that schedule out layer by layer, from each tier's measured read bandwidth
 
 Where the probe walks every layer it needs every layer's stored KV before the blend pass can
 start, so a slow tier's reads fall before the blend pass and no ratio hides them: the controller
-keeps the floor and says so (`reason`), with the wait it expects.
+says so (`reason`), with the wait it expects. With compact_probe the probe reads compact copies
+(about a quarter of the bytes) and the full KV streams in behind it, where the blend pass's
+compute can cover it.
 """
 
 from __future__ import annotations
@@ -45,7 +48,9 @@ class Decision:
 class Work:
     """What one prefill computes and reads, layer by layer, at one ratio."""
 
-    reads: list[int]  # layers whose chunk KV is read, in the order they are read
+    probe_reads: list[int]  # layers the probe reads, in order (compact copies, with compact_probe)
+    blend_reads: list[int]  # layers the blend pass reads after them (not those the probe loaded in full)
+    compact: bool  # the probe reads compact copies; the blend pass then reads those entries in full
     probe_layers: int
     probe_rows: int
     blend_rows: list[int]  # rows the blend pass computes at each layer
@@ -69,7 +74,10 @@ def work(plan: Plan, cfg: BlendConfig, ratio: float, n_layers: int) -> Work:
         if cfg.probe_suffix_tokens:
             probe_rows -= max(0, T - cfg.probe_suffix_tokens - max(suffix, P))
     candidates = probe and cfg.check_candidates
-    load_from = probe_depth if candidates else max(probe_depth, first)
+    blend_from = 0 if candidates else first
+    compact = cfg.compact_probe and probe_depth > 0
+    if not compact:
+        blend_from = max(probe_depth, blend_from)
     n_first = cfg.budget(ratios[cfg.check_layers.index(first)], reused)
     early = must + (min(reused, math.ceil(cfg.check_candidates * n_first)) if candidates else reused)
     rows, kept = [], early
@@ -77,26 +85,39 @@ def work(plan: Plan, cfg: BlendConfig, ratio: float, n_layers: int) -> Work:
         if layer in cfg.check_layers:
             kept = must + cfg.budget(ratios[cfg.check_layers.index(layer)], reused)
         rows.append(kept)
-    return Work([*range(probe_depth), *range(load_from, n_layers)], probe_depth, probe_rows, rows)
+    return Work(list(range(probe_depth)), list(range(blend_from, n_layers)), compact, probe_depth, probe_rows, rows)
 
 
-def play(w: Work, layer_read_s: float, pair_s: float) -> tuple[float, float]:
-    """(seconds to the last layer's end, of which waiting for reads): the reader streams the
-    layers back to back from time 0; each pass computes its layers in turn, a layer starting when
-    the one before is done and its KV has arrived (a layer nobody reads needs nothing)."""
-    arrived, t = {}, 0.0
-    for layer in w.reads:
-        if layer not in arrived:
-            t += layer_read_s
-            arrived[layer] = t
-    clock = wait = 0.0
-    steps = [(layer, w.probe_rows) for layer in range(w.probe_layers)]
-    steps += [(layer, rows) for layer, rows in enumerate(w.blend_rows)]
-    for layer, rows in steps:
-        ready = arrived.pop(layer, 0.0)  # a second pass finds its layer read already
-        wait += max(0.0, ready - clock)
-        clock = max(clock, ready) + rows * pair_s
-    return clock, wait
+@dataclass
+class LayerReads:
+    """Seconds to read one layer of a plan's stored KV, per view."""
+
+    full: float  # every entry in full
+    compact: float = 0.0  # what the probe reads with compact_probe: copies where entries have them
+    rest: float = 0.0  # what the blend pass then reads in full: the entries the probe read compact
+
+
+def play(w: Work, reads: LayerReads, pair_s: float) -> tuple[float, float, float]:
+    """(seconds to the last layer's end, of which waiting for reads, of which the probe's): the
+    reader streams the probe's layers, then the blend pass's, back to back from time 0; each pass computes its
+    layers in turn, a layer starting when the one before is done and its KV has arrived (a layer
+    the pass does not read needs nothing)."""
+    t, probe_at, blend_at = 0.0, {}, {}
+    for layer in w.probe_reads:
+        t += reads.compact if w.compact else reads.full
+        probe_at[layer] = t
+    for layer in w.blend_reads:
+        t += reads.rest if w.compact and layer < w.probe_layers else reads.full
+        blend_at[layer] = t
+    clock = wait = probe_wait = 0.0
+    for layer in range(w.probe_layers):
+        probe_wait += max(0.0, probe_at.get(layer, 0.0) - clock)
+        clock = max(clock, probe_at.get(layer, 0.0)) + w.probe_rows * pair_s
+    wait = probe_wait
+    for layer, rows in enumerate(w.blend_rows):
+        wait += max(0.0, blend_at.get(layer, 0.0) - clock)
+        clock = max(clock, blend_at.get(layer, 0.0)) + rows * pair_s
+    return clock, wait, probe_wait
 
 
 class LoadingController:
@@ -116,50 +137,63 @@ class LoadingController:
         t = self.store.tier(tier)
         return t.meter.rate if t is not None else None
 
-    def _read_s(self, kv) -> float | None:
-        """Seconds to read one layer of an entry; 0 from memory (its re-encoding is compute that
+    def _read_s(self, nbytes: int, tier: str) -> float | None:
+        """Seconds to read `nbytes` from a tier; 0 from memory (its re-encoding is compute that
         every tier pays alike); None for a tier not measured yet."""
-        if kv.tier == "memory":
+        if tier == "memory":
             return 0.0
-        rate = self._rate(kv.tier)
-        return None if rate is None else kv.meta.layer_nbytes / rate
+        rate = self._rate(tier)
+        return None if rate is None else nbytes / rate
 
-    def _load_s(self, plan: Plan) -> float | None:
+    def _reads(self, plan: Plan) -> LayerReads | None:
         """Per layer: every stored chunk's (and prefix block's) layer read, one after another."""
-        parts = [c.kv for c in plan.read_chunks()] + [kv for _, kv in plan.prefix_blocks]
-        times = [self._read_s(kv) for kv in parts]
-        return None if any(t is None for t in times) else sum(times)
+        full = compact = rest = 0.0
+        for kv in [c.kv for c in plan.read_chunks()] + [kv for _, kv in plan.prefix_blocks]:
+            meta = getattr(kv, "meta", None)
+            whole = self._read_s(meta.layer_nbytes if meta else 0, kv.tier)
+            if whole is None:
+                return None
+            full += whole
+            if getattr(kv, "has_probe_copy", False):
+                compact += self._read_s(meta.probe_layer_nbytes, kv.tier)
+                rest += whole
+            else:
+                compact += whole
+        return LayerReads(full, compact, rest)
 
     def decide(self, plan: Plan, cfg: BlendConfig) -> tuple[BlendConfig, Decision]:
         """The config to run `plan` with (the plan itself may lose chunks to recompute)."""
         floor = cfg.ratios[0]
-        speed, load = self.compute.rate, self._load_s(plan)
+        speed, reads = self.compute.rate, self._reads(plan)
         chunks = plan.read_chunks()
-        if speed is None or load is None or not chunks or not any(cfg.ratios):
+        if speed is None or reads is None or not chunks or not any(cfg.ratios):
             return cfg, Decision(floor, floor, reason="not measured yet" if chunks else "nothing to read")
         n_layers, pair_s = chunks[0].kv.n_layers, 1.0 / speed
 
-        def estimate(ratio: float) -> tuple[float, float]:
-            return play(work(plan, cfg, ratio, n_layers), load, pair_s)
+        def estimate(ratio: float) -> tuple[float, float, float]:
+            return play(work(plan, cfg, ratio, n_layers), reads, pair_s)
 
+        w = work(plan, cfg, floor, n_layers)
+        first_read = reads.compact if w.compact else reads.full  # nothing hides the first layer's read
         self.decisions += 1
         remeasure = self.decisions % self.REMEASURE_EVERY == 0
-        best, wait = estimate(floor)
-        waits = wait > load * (1 + 1e-9)  # past the first layer's read, which nothing hides
+        best, wait, _ = estimate(floor)
+        waits = wait > first_read * (1 + 1e-9)
         dropped = 0
         slow = sorted((c for c in chunks if c.tier != "memory"), key=lambda c: self._rate(c.tier))
         while slow and waits and not remeasure:
             c = slow.pop(0)
-            kv, tier, read_s = c.kv, c.tier, self._read_s(c.kv)
-            c.kv, load = None, load - read_s
+            kv, tier, before = c.kv, c.tier, reads
+            c.kv = None
+            reads = self._reads(plan)
             trial = estimate(floor)
             if trial[0] >= best:  # computing its rows costs more than reading it: read it after all
-                c.kv, load = kv, load + read_s
+                c.kv, reads = kv, before
                 break
             c.note, dropped, best = f"{tier}: recomputed", dropped + 1, trial[0]
         # Recompute more while it costs at most one layer's read: in a pass that waits for each
         # layer, the extra rows fill the waits and only the last layer's own compute adds.
-        budget = best + load
+        budget = best + (reads.rest if w.compact else reads.full)
         ratio, reused = floor, int(plan.reused_mask().sum())
         if reused:
             lo, hi = floor, 1.0
@@ -169,15 +203,16 @@ class LoadingController:
                 mid = (lo + hi) / 2
                 lo, hi = (mid, hi) if estimate(mid)[0] <= budget else (lo, mid)
             ratio = lo if cfg.budget(lo, reused) > cfg.budget(floor, reused) else floor  # or it changes nothing
-        ttft, wait = estimate(ratio)
+        ttft, wait, probe_wait = estimate(ratio)
         w = work(plan, cfg, ratio, n_layers)
-        if waits and w.probe_layers == n_layers and not dropped:
-            reason = "probe-bound: the probe needs every layer read before the blend pass starts"
+        if waits and probe_wait > wait / 2 and not dropped:
+            reason = ("probe-bound: the probe waits for its reads before the blend pass starts"
+                      + ("" if w.compact else " (compact_probe would read about a quarter of the bytes)"))
         elif dropped or ratio > floor:
             reason = "loading-bound: recompute more instead of waiting"
         else:
             reason = "compute-bound: loading hides behind compute"
-        decision = Decision(floor, ratio, dropped, load, w.blend_rows[-1] * pair_s, ttft, wait, reason)
+        decision = Decision(floor, ratio, dropped, reads.full, w.blend_rows[-1] * pair_s, ttft, wait, reason)
         if ratio == floor:
             return cfg, decision
         return replace(cfg, ratios=[max(r, ratio) for r in cfg.ratios]), decision

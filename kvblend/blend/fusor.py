@@ -67,6 +67,9 @@ class BlendConfig:
     # probe's attention, 0 ranks the check candidates (still the probe's top rows) by deviation
     # alone. See docs/experiments.md#qwen25-05b-where-blends-error-comes-from.
     attention_power: float = 1.0
+    # The probe reads the compact copy of chunks stored with one (disk, Redis entries): on a slow
+    # tier it then finishes early and the full KV streams in behind it for the blend pass.
+    compact_probe: bool = False
 
     def __post_init__(self):
         if self.check_candidates and self.check_candidates < 1:
@@ -280,18 +283,20 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     pos = torch.arange(T, device=dev)
     ids = plan.token_ids.to(dev)
     must = pos[P:][~reused[P:]]  # separators, missed chunks, the suffix
-    computed, attention, probe_depth = 0, None, 0
+    computed, attention, probe_depth, probe_reads = 0, None, 0, ()
     stale = StaleBias(cfg.stale_key_scale if mode in ("reuse", "blend") else 1.0, reused, cache)
     L = runner.n_layers
     if mode in ("full", "prefix") or not bool(reused.any()):
         chunk_layers, active = range(0), pos[P:]  # nothing reused: every row, every layer
     elif checks:
-        load_from, active = min(checks), pos[P:]  # fresh K for all rows up to the first check
+        active = pos[P:]
+        chunk_layers = range(min(checks), L)  # fresh K for all rows up to the first check
         if cfg.weight_by_attention:
             # A reuse pass first, over the must-compute rows only (by default not the separators,
             # whose keys it hides): what its suffix rows attend to is what the question reads. It
-            # loads the chunk KV of the layers it walks, so the blend pass loads only the rest, and
-            # overwrites every row the probe computed.
+            # loads the chunk KV of the layers it walks (compact copies, with compact_probe, which
+            # the blend pass replaces by the full KV), and the blend pass overwrites every row the
+            # probe computed.
             skip = torch.zeros_like(must, dtype=torch.bool)
             suffix = plan.segments.suffix[0]
             if suffix < T:  # a suffix left to watch
@@ -305,12 +310,15 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
             watch = probe_rows >= min(suffix, T - 1)
             probe_depth = min(cfg.probe_layers or L, L)
             # With check candidates, the layers before the check read loaded KV for the other rows.
-            load_from = probe_depth if cfg.check_candidates else max(probe_depth, load_from)
-        chunk_layers = [*range(probe_depth), *range(load_from, L)]
+            blend_from = 0 if cfg.check_candidates else min(checks)
+            if cfg.compact_probe:  # the probe reads compact copies first, the blend pass full KV after
+                probe_reads, chunk_layers = range(probe_depth), range(blend_from, L)
+            else:  # one read a layer: the probe's layers are loaded for the blend pass too
+                chunk_layers = [*range(probe_depth), *range(max(probe_depth, blend_from), L)]
     else:
         chunk_layers, active = range(L), must  # reuse: only the must-compute rows
     t0 = time.perf_counter()
-    loader.start(chunk_layers)
+    loader.start(chunk_layers, probe_reads)
     try:
         if probe_depth:
             probe = run_layers(runner, cache, loader, runner.rows(ids[probe_rows], probe_rows), probe_rows, stale,

@@ -1,9 +1,14 @@
 """Where stored KV enters a prefill: one layer at a time, read (memory, disk or Redis),
 re-encoded to its new positions and written into the request's cache.
 
-With `depth` > 0 a background thread reads and re-encodes up to `depth` layers ahead while the
+With `depth` > 0 a background thread reads and re-encodes up to `depth` steps ahead while the
 prefill computes, so a slower tier's reads hide behind compute (CacheBlend's pipelining). The
 thread does exactly what the inline path does, so the KV is bitwise the same either way.
+
+The reads follow the passes: blend's attention probe first (where it reads an entry's compact
+copy, store.probe_copy, if the entry has one), then the pass that computes the answer's KV, which
+reads the full KV of what the probe read compact. A full read waits to be written until the probe
+has left that layer, so the probe always sees the compact copy and the blend pass the full KV.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,52 +24,90 @@ from ..model.runner import KVCache, Runner
 from .plan import Plan
 
 
+@dataclass
+class Step:
+    """One layer's reads for one pass: (part, compact) pairs, and the step whose compact rows
+    these full reads overwrite (it must be done with them first), if any."""
+
+    layer: int
+    reads: list[tuple[int, bool]] = field(default_factory=list)
+    after: int | None = None
+
+
 class ChunkLoader:
     """Writes cached KV (exact prefix blocks at every layer, re-encoded chunks at the layers
-    `start` names) into the cache, each layer once, in layer order."""
+    `start` names) into the cache, in the order the passes ask for it."""
 
     def __init__(self, runner: Runner, plan: Plan, cache: KVCache, depth: int = 0):
         self.runner, self.cache, self.depth = runner, cache, depth
         dev = runner.device
         # (source, offset into it, rows [start, end) it supplies, rotation tables or None)
-        self.prefix_parts = []
+        self.parts = []
         for (start, end), kv in plan.prefix_blocks:
             end = min(end, plan.prefix_hit)
             if end > start:
-                self.prefix_parts.append((kv, 0, start, end, None))
+                self.parts.append((kv, 0, start, end, None))
+        self.n_prefix = len(self.parts)
         # Per hit chunk: the rows it supplies (>= prefix_hit) and, when it moved, the rotations
         # that take its K there, one per rotary the model has (computed once, used at every layer).
-        self.chunk_parts = []
         for c in plan.read_chunks():
             start = max(c.span[0], plan.prefix_hit)
             offset = start - c.span[0]
             delta = torch.arange(start, c.span[1]) - c.kv.positions[offset:]
             tables = runner.shift_tables(delta, dev) if bool((delta != 0).any()) else None
-            self.chunk_parts.append((c.kv, offset, start, c.span[1], tables))
-        self.chunk_layers: frozenset[int] = frozenset()
-        self.next_layer = 0  # layers below it are loaded
+            self.parts.append((c.kv, offset, start, c.span[1], tables))
+        self.steps: list[Step] = []
+        self.next_step = 0  # steps below it are handed over
         self.wait_s = 0.0  # time the prefill spent waiting for loads
         self._q: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
+        self._handed = threading.Condition()  # the reader waits on next_step before overwriting
 
-    def start(self, chunk_layers) -> None:
-        """Chunks are needed at `chunk_layers` (where a pass reads their KV before writing it);
-        prefix blocks at every layer."""
-        self.chunk_layers = frozenset(chunk_layers)
-        busy = self.prefix_parts or (self.chunk_parts and self.chunk_layers)
-        if self.depth > 0 and busy:
-            self._q = queue.Queue(maxsize=self.depth)
+    def start(self, chunk_layers, probe_layers=()) -> None:
+        """Chunks are needed at `chunk_layers` (where a pass reads their KV before writing it),
+        prefix blocks at every layer. With `probe_layers`, a first walk over those layers (the
+        probe's) reads every chunk, its compact copy where it has one; the next walk reads the
+        chunks at `chunk_layers`, in full where the probe read compact. Without, one read per
+        layer serves every pass."""
+        chunk_layers, L = frozenset(chunk_layers), self.runner.n_layers
+        done = set()  # (part, layer) written in full
+        compact_at = {}  # layer -> the probe step that wrote compact rows there
+        for layer in probe_layers:
+            step = Step(layer)
+            for i, (src, *_) in enumerate(self.parts):
+                compact = i >= self.n_prefix and getattr(src, "has_probe_copy", False)
+                step.reads.append((i, compact))
+                if compact:
+                    compact_at[layer] = len(self.steps)
+                else:
+                    done.add((i, layer))
+            self.steps.append(step)
+        for layer in range(L):
+            step = Step(layer, after=compact_at.get(layer))
+            for i in range(len(self.parts)):
+                if (i < self.n_prefix or layer in chunk_layers) and (i, layer) not in done:
+                    step.reads.append((i, False))
+            self.steps.append(step)
+        self._last = {s.layer: j for j, s in enumerate(self.steps)}  # a layer's last step
+        if self.depth > 0 and any(s.reads for s in self.steps):
+            self._q = queue.Queue(maxsize=0 if self.depth >= L else self.depth)  # 0: unbounded
             self._thread = threading.Thread(target=self._work, name="kvblend-layer-loader", daemon=True)
             self._thread.start()
 
-    def _write(self, layer: int) -> None:
-        """Read this layer's parts and write them, re-encoded, into the cache: straight into its
-        rows, since a layer's rows are read only after load_layer hands that layer over."""
-        parts = self.prefix_parts + (self.chunk_parts if layer in self.chunk_layers else [])
-        dev = self.runner.device
-        for src, offset, start, end, tables in parts:
-            k, v = src.layer(layer)
+    def _read(self, step: Step) -> list:
+        out = []
+        for i, compact in step.reads:
+            src = self.parts[i][0]
+            out.append((i, *(src.probe_layer(step.layer) if compact else src.layer(step.layer))))
+        return out
+
+    def _write(self, step: Step, read: list) -> None:
+        """Write one step's reads, re-encoded, into the cache: straight into its rows, since a
+        layer's rows are read only after load_layer hands that step over."""
+        dev, layer = self.runner.device, step.layer
+        for i, k, v in read:
+            _, offset, start, end, tables = self.parts[i]
             rows = slice(offset, offset + end - start)
             if tables is None:
                 self.cache.k[layer, :, start:end] = k[:, rows].to(dev)
@@ -72,32 +116,49 @@ class ChunkLoader:
             self.cache.v[layer, :, start:end] = v[:, rows]
 
     def _work(self) -> None:
+        # One thread for the reader's small ops (this setting is per thread): a second OpenMP team
+        # would fight the prefill's threads for the same cores.
+        torch.set_num_threads(1)
         with torch.inference_mode():
-            for layer in range(self.runner.n_layers):
+            for step in self.steps:
                 if self._stop:
                     return
                 try:
-                    self._write(layer)
+                    read = self._read(step)
+                    if step.after is not None:  # the probe still reads this layer's compact rows
+                        with self._handed:
+                            self._handed.wait_for(lambda: self.next_step > step.after + 1 or self._stop)
+                        if self._stop:
+                            return
+                    self._write(step, read)
                 except BaseException as e:  # handed to the prefill, which decides
                     self._q.put(e)
                     return
-                self._q.put(layer)  # blocks while `depth` layers wait: never further ahead
+                self._q.put(step.layer)  # blocks while `depth` steps wait: never further ahead
 
     def load_layer(self, layer: int) -> None:
-        if layer < self.next_layer:
-            return  # a second pass (blend after its probe) finds every layer loaded
-        if layer != self.next_layer:
-            raise RuntimeError(f"layer {layer} loaded before layer {self.next_layer}")
-        t0 = time.perf_counter()
-        done = self._q.get() if self._thread is not None else self._write(layer)
-        self.wait_s += time.perf_counter() - t0
-        if isinstance(done, BaseException):
-            raise done
-        self.next_layer = layer + 1
+        """Hand `layer` over to the pass that asks for it: its next step, or nothing where every
+        step of that layer is already handed over (a later pass finds it loaded)."""
+        j = self.next_step
+        if j < len(self.steps) and self.steps[j].layer == layer:
+            with self._handed:
+                self.next_step = j + 1  # the layers of the steps before j are done with
+                self._handed.notify_all()
+            t0 = time.perf_counter()
+            step = self.steps[j]
+            done = self._q.get() if self._thread is not None else self._write(step, self._read(step))
+            self.wait_s += time.perf_counter() - t0
+            if isinstance(done, BaseException):
+                raise done
+            return
+        if self._last.get(layer, -1) >= j:
+            raise RuntimeError(f"layer {layer} loaded before layer {self.steps[j].layer}")
 
     def close(self) -> None:
         """Stop the reader (a prefill that failed or ended early) without leaving it blocked."""
         self._stop = True
+        with self._handed:
+            self._handed.notify_all()
         while self._thread is not None and self._thread.is_alive():
             try:
                 self._q.get_nowait()

@@ -93,7 +93,7 @@ class Engine:
                                      s.weight_by_attention, self._stale_key_scale(neighbours=False),
                                      s.probe_layers, s.check_candidates, s.probe_separators,
                                      s.probe_attention_from, s.probe_suffix_tokens, s.min_recompute_tokens,
-                                     s.attention_power)
+                                     s.attention_power, s.compact_probe)
         bos = getattr(self.tokenizer, "bos_token_id", None)
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
         # Models without a tokenizer (tests' tiny random models) name their separator ids.
@@ -310,6 +310,7 @@ class Engine:
         if self.settings.exact_first_chunk and seg.separators and seg.exact_end > 0:
             firsts = self._store_firsts(token_ids, seg)
         for key, kv in self._encode(todo, context, firsts).items():
+            kv.probe_copy = self.settings.compact_probe
             self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
         return len(todo)
 

@@ -14,6 +14,9 @@ class ChunkKV:
     k: torch.Tensor  # [L, Hkv, n, d], rotated at `positions`
     v: torch.Tensor  # [L, Hkv, n, d]
     positions: torch.Tensor  # [n] int64
+    # Disk and Redis store a compact copy beside it for the attention probe (store.probe_copy):
+    # chunks with compact_probe, never exact prefix blocks, which the probe reads in full.
+    probe_copy: bool = False
     tier: ClassVar[str] = "memory"  # where a read found it (stored entries say disk or redis)
 
     @property

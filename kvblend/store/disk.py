@@ -1,5 +1,5 @@
 """Local disk tier: one safetensors file per entry, tensors k.<layer> and v.<layer> (int8 entries
-add k_scale.<layer>, v_scale.<layer>), the entry
+add k_scale.<layer>, v_scale.<layer>; the compact copy for the probe pk, pv and their scales), the entry
 header (entry_format) in the safetensors metadata. Written to a temporary file and renamed, so a
 reader sees a whole entry or none; read lazily, one layer at a time, through safe_open.
 
@@ -20,6 +20,7 @@ from safetensors.torch import save as safetensors_bytes
 
 from .chunk_kv import ChunkKV
 from .entry_format import EntryMeta, EntrySpec, check_meta, describe
+from .probe_copy import entry_parts as compact_copy
 from .int8 import QuantKV
 from .tier import Counters, StoredEntry
 
@@ -35,6 +36,9 @@ class DiskEntry(StoredEntry):
 
     def _read_layer(self, layer: int):
         return {name: self._f.get_tensor(f"{name}.{layer}") for name in self.meta.part_specs()}
+
+    def _read_probe_layer(self, layer: int):
+        return {name: self._f.get_tensor(f"{name}.{layer}") for name in self.meta.probe_specs()}
 
 
 class DiskTier(Counters):
@@ -136,10 +140,11 @@ class DiskTier(Counters):
                 self._index[key] = self._index.get(key) or _size(path)
                 self._index.move_to_end(key)
             return True
-        meta = describe(key, kv, self.spec.fingerprint)
+        probe = compact_copy(kv) if kv.probe_copy else None
+        meta = describe(key, kv, self.spec.fingerprint, probe)
         # safetensors refuses views of one tensor: each layer gets its own copy.
         tensors = {f"{name}.{layer}": t.clone() for layer in range(kv.n_layers)
-                   for name, t in kv.parts(layer).items()}
+                   for name, t in (kv.parts(layer) | (probe[layer] if probe else {})).items()}
         data = safetensors_bytes(tensors, metadata={META_KEY: meta.to_json()})
         tmp = self.root / f".{key}.{os.getpid()}.{threading.get_ident()}.tmp"
         try:

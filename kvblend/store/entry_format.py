@@ -3,7 +3,9 @@
 An entry is one chunk's (or prefix block's) KV, stored one layer at a time so a prefill can read
 layer l while it computes layer l-1. Its header names the format version, the entry's own key,
 the model fingerprint, dtype, shapes, positions and a sha256 per layer (k bytes then v bytes);
-the entry checksum is the sha256 of the layer digests. A reader checks the header against what
+the entry checksum is the sha256 of the layer digests. An entry may also hold a compact copy
+of its KV that only the attention probe reads (store.probe_copy), with its own digest per layer,
+which the checksum covers too. A reader checks the header against what
 it expects before it hands the entry out, and each layer's digest as it reads that layer, so a
 corrupt, truncated, swapped or foreign entry is a miss, never wrong KV.
 """
@@ -13,13 +15,14 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import torch
 
-from .chunk_kv import ChunkKV
+from . import probe_copy
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2 adds the optional compact copy; entries of version 1 read as without one
+READABLE = (1, 2)
 
 
 class BadEntry(Exception):
@@ -57,6 +60,8 @@ class EntryMeta:
     layer_sha256: list[str]
     checksum: str  # sha256 over the layer digests: the whole entry's data
     quant: str = ""  # "" (stored in `dtype`) or "int8" (int8 with float16 scales, decoded to `dtype`)
+    probe: str = ""  # "" or probe_copy.NAME: the entry holds a compact copy for the probe
+    probe_sha256: list[str] = field(default_factory=list)  # per layer, over the compact copy
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -64,9 +69,9 @@ class EntryMeta:
     @classmethod
     def from_json(cls, text: str | bytes) -> EntryMeta:
         data = json.loads(text)
-        if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
+        if not isinstance(data, dict) or data.get("version") not in READABLE:
             version = data.get("version") if isinstance(data, dict) else None
-            raise ValueError(f"format version {version!r}, this reader knows {FORMAT_VERSION}")
+            raise ValueError(f"format version {version!r}, this reader knows {READABLE}")
         return cls(**data)
 
     @property
@@ -84,13 +89,29 @@ class EntryMeta:
         dt = dtype_of(self.dtype)
         return {"k": (dt, self.layer_shape), "v": (dt, self.layer_shape)}
 
+    def probe_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+        """The compact copy's tensors per layer; none for an entry without one."""
+        if not self.probe:
+            return {}
+        if self.probe != probe_copy.NAME:
+            raise ValueError(f"unknown compact copy {self.probe!r}")
+        return probe_copy.part_specs(self.n_kv_heads, self.n_tokens, self.head_dim)
+
     @property
     def layer_nbytes(self) -> int:
-        return sum(dt.itemsize * math.prod(shape) for dt, shape in self.part_specs().values())
+        return specs_nbytes(self.part_specs())
+
+    @property
+    def probe_layer_nbytes(self) -> int:
+        return specs_nbytes(self.probe_specs())
 
     @property
     def nbytes(self) -> int:
-        return self.n_layers * self.layer_nbytes + 8 * self.n_tokens
+        return self.n_layers * (self.layer_nbytes + self.probe_layer_nbytes) + 8 * self.n_tokens
+
+
+def specs_nbytes(specs: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> int:
+    return sum(dt.itemsize * math.prod(shape) for dt, shape in specs.values())
 
 
 def dtype_of(name: str) -> torch.dtype:
@@ -121,14 +142,16 @@ def entry_checksum(layer_sha256: list[str]) -> str:
     return hashlib.sha256("".join(layer_sha256).encode()).hexdigest()
 
 
-def describe(key: str, kv, fingerprint: str) -> EntryMeta:
-    """The header of a ChunkKV or an int8 QuantKV."""
+def describe(key: str, kv, fingerprint: str, probe: list[dict[str, torch.Tensor]] | None = None) -> EntryMeta:
+    """The header of a ChunkKV or an int8 QuantKV, with `probe` its compact copy if it has one."""
     quant = "int8" if hasattr(kv, "kq") else ""
     L, H, n, d = (kv.kq if quant else kv.k).shape
     dtype = kv.dtype if quant else kv.k.dtype
     digests = [layer_digest(kv.parts(layer)) for layer in range(L)]
+    probe_digests = [layer_digest(p) for p in probe] if probe else []
     return EntryMeta(FORMAT_VERSION, key, fingerprint, dtype_name(dtype), L, H, n, d,
-                     [int(p) for p in kv.positions], digests, entry_checksum(digests), quant)
+                     [int(p) for p in kv.positions], digests, entry_checksum(digests + probe_digests), quant,
+                     probe_copy.NAME if probe else "", probe_digests)
 
 
 def check_meta(meta: EntryMeta, key: str, spec: EntrySpec | None) -> str | None:
@@ -138,7 +161,9 @@ def check_meta(meta: EntryMeta, key: str, spec: EntrySpec | None) -> str | None:
         return f"holds the entry of another key ({meta.key[:22]})"
     if len(meta.layer_sha256) != meta.n_layers or len(meta.positions) != meta.n_tokens:
         return "header shapes disagree with its digests or positions"
-    if entry_checksum(meta.layer_sha256) != meta.checksum:
+    if len(meta.probe_sha256) != (meta.n_layers if meta.probe else 0):
+        return "header's compact copy disagrees with its digests"
+    if entry_checksum(meta.layer_sha256 + meta.probe_sha256) != meta.checksum:
         return "header checksum mismatch"
     if spec is None:
         return None
@@ -151,14 +176,15 @@ def check_meta(meta: EntryMeta, key: str, spec: EntrySpec | None) -> str | None:
     return None
 
 
-def check_layer(meta: EntryMeta, layer: int, parts: dict[str, torch.Tensor]) -> str | None:
-    specs = meta.part_specs()
+def check_layer(meta: EntryMeta, layer: int, parts: dict[str, torch.Tensor], compact: bool = False) -> str | None:
+    """Why one layer's tensors (its compact copy's, with `compact`) must not be used, or None."""
+    specs = meta.probe_specs() if compact else meta.part_specs()
     if list(parts) != list(specs):
         return f"layer {layer} holds {list(parts)}, header says {list(specs)}"
     for name, (dt, shape) in specs.items():
         t = parts[name]
         if tuple(t.shape) != shape or t.dtype != dt:
             return f"layer {layer} {name} is {t.dtype} {tuple(t.shape)}, header says {dt} {shape}"
-    if layer_digest(parts) != meta.layer_sha256[layer]:
-        return f"layer {layer} checksum mismatch"
+    if layer_digest(parts) != (meta.probe_sha256 if compact else meta.layer_sha256)[layer]:
+        return f"layer {layer} {'compact copy ' if compact else ''}checksum mismatch"
     return None

@@ -34,6 +34,7 @@ class QuantKV:
     v_scale: torch.Tensor
     positions: torch.Tensor  # [n] int64
     dtype: torch.dtype  # the model's: what layers decode to
+    probe_copy: bool = False  # as ChunkKV.probe_copy
     tier: ClassVar[str] = "memory"
 
     @property
@@ -63,4 +64,4 @@ class QuantKV:
 def quantize(kv: ChunkKV) -> QuantKV:
     kq, ks = quantize_tensor(kv.k)
     vq, vs = quantize_tensor(kv.v)
-    return QuantKV(kq, vq, ks, vs, kv.positions.clone(), kv.k.dtype)
+    return QuantKV(kq, vq, ks, vs, kv.positions.clone(), kv.k.dtype, kv.probe_copy)

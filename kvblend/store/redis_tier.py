@@ -1,7 +1,7 @@
 """Shared remote tier on Redis, so several kvblend processes (or machines) share one chunk cache.
 
 Per entry, two Redis keys: `<prefix><key>:l`, a hash of one value per layer (that layer's K bytes
-then V bytes, fetched alone with HGET), and `<prefix><key>:h`, the entry header (entry_format)
+then V bytes, fetched alone with HGET; `p<layer>` the compact copy's, where the entry has one), and `<prefix><key>:h`, the entry header (entry_format)
 as JSON. The header is written last, after every layer, so a half-written entry has no header
 and reads as a miss. Capacity is shared by every process using the same Redis and prefix: a
 sorted set orders entries by last use (LRU), a hash holds their sizes, a counter their sum.
@@ -22,7 +22,8 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from .chunk_kv import ChunkKV
-from .entry_format import BadEntry, EntryMeta, EntrySpec, check_meta, describe, raw_bytes
+from .entry_format import BadEntry, EntryMeta, EntrySpec, check_meta, describe, raw_bytes, specs_nbytes
+from .probe_copy import entry_parts as compact_copy
 from .tier import Counters, StoredEntry
 
 log = logging.getLogger(__name__)
@@ -37,11 +38,13 @@ def encode_layer(parts: dict[str, torch.Tensor]) -> bytes:
     return b"".join(bytes(raw_bytes(t)) for t in parts.values())
 
 
-def decode_layer(data: bytes, meta: EntryMeta) -> dict[str, torch.Tensor]:
-    if len(data) != meta.layer_nbytes:
-        raise ValueError(f"{len(data)} bytes, header says {meta.layer_nbytes}")
+def decode_layer(data: bytes, meta: EntryMeta, compact: bool = False) -> dict[str, torch.Tensor]:
+    specs = meta.probe_specs() if compact else meta.part_specs()
+    expected = specs_nbytes(specs)
+    if len(data) != expected:
+        raise ValueError(f"{len(data)} bytes, header says {expected}")
     buf, parts, at = bytearray(data), {}, 0
-    for name, (dt, shape) in meta.part_specs().items():
+    for name, (dt, shape) in specs.items():
         n = dt.itemsize * math.prod(shape)
         parts[name] = torch.frombuffer(buf, dtype=dt, count=math.prod(shape), offset=at).view(shape)
         at += n
@@ -54,13 +57,20 @@ class RedisEntry(StoredEntry):
         self._tier = tier
 
     def _read_layer(self, layer: int):
+        return self._read(layer, compact=False)
+
+    def _read_probe_layer(self, layer: int):
+        return self._read(layer, compact=True)
+
+    def _read(self, layer: int, compact: bool):
+        field = f"p{layer}" if compact else str(layer)
         try:
-            data = self._tier._run(lambda c: c.hget(self._tier._layers_key(self.key), str(layer)))
+            data = self._tier._run(lambda c: c.hget(self._tier._layers_key(self.key), field))
         except TierDown:
             raise BadEntry(self.key, "redis", "Redis unreachable", delete=False) from None
         if data is None:
-            raise BadEntry(self.key, "redis", f"layer {layer} missing (evicted or expired meanwhile)")
-        return decode_layer(data, self.meta)
+            raise BadEntry(self.key, "redis", f"layer {field} missing (evicted or expired meanwhile)")
+        return decode_layer(data, self.meta, compact)
 
 
 class RedisTier(Counters):
@@ -199,11 +209,13 @@ class RedisTier(Counters):
     def put(self, key: str, kv: ChunkKV) -> bool:
         if self.spec is None:
             raise ValueError("a Redis tier without a model spec is read-only")
-        meta = describe(key, kv, self.spec.fingerprint)
+        probe = compact_copy(kv) if kv.probe_copy else None
+        meta = describe(key, kv, self.spec.fingerprint, probe)
         size = meta.nbytes
         if size > self.capacity_bytes:
             return False
         layers = {str(layer): encode_layer(kv.parts(layer)) for layer in range(kv.n_layers)}
+        layers |= {f"p{layer}": encode_layer(p) for layer, p in enumerate(probe or [])}
         ttl = self.ttl_s
 
         def write(c) -> bool:

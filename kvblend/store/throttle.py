@@ -47,7 +47,12 @@ class Throttled:
         entry = self.inner.get(key)
         if entry is None or not hasattr(entry, "_read_layer"):
             return entry
-        read, seconds = entry._read_layer, entry.meta.layer_nbytes / self.bytes_per_s
+        entry._read_layer = self._slow(entry._read_layer, entry.meta.layer_nbytes)
+        entry._read_probe_layer = self._slow(entry._read_probe_layer, entry.meta.probe_layer_nbytes)
+        return entry
+
+    def _slow(self, read, nbytes: int):
+        seconds = nbytes / self.bytes_per_s
 
         def slow_read(layer: int):
             t0 = self._clock()
@@ -55,5 +60,4 @@ class Throttled:
             self._sleep(max(0.0, self.link.book(seconds, t0) - self._clock()))
             return out
 
-        entry._read_layer = slow_read
-        return entry
+        return slow_read

@@ -12,6 +12,7 @@ from typing import Protocol
 import torch
 
 from .chunk_kv import ChunkKV
+from . import probe_copy
 from .entry_format import BadEntry, EntryMeta, check_layer, dtype_of
 from .int8 import QuantKV, dequantize_tensor
 
@@ -85,23 +86,34 @@ class StoredEntry:
     def nbytes(self) -> int:
         return self.meta.nbytes
 
+    @property
+    def has_probe_copy(self) -> bool:
+        return bool(self.meta.probe)
+
     def _read_layer(self, layer: int) -> dict[str, torch.Tensor]:
         """The stored tensors of one layer, named as in EntryMeta.part_specs."""
         raise NotImplementedError
 
-    def parts(self, layer: int) -> dict[str, torch.Tensor]:
+    def _read_probe_layer(self, layer: int) -> dict[str, torch.Tensor]:
+        """The compact copy's tensors of one layer, named as in EntryMeta.probe_specs."""
+        raise NotImplementedError
+
+    def parts(self, layer: int, compact: bool = False) -> dict[str, torch.Tensor]:
+        """One layer's tensors as stored (its compact copy's, with `compact`), read and checked."""
         t0 = time.perf_counter()
+        what = "compact copy of layer" if compact else "layer"
         try:
-            parts = self._read_layer(layer)
+            parts = self._read_probe_layer(layer) if compact else self._read_layer(layer)
         except BadEntry:
             raise
         except Exception as e:  # truncated file, missing value, undecodable bytes: all a miss
-            raise BadEntry(self.key, self.tier, f"layer {layer} unreadable ({type(e).__name__}: {e})") from e
-        why = check_layer(self.meta, layer, parts)
+            raise BadEntry(self.key, self.tier, f"{what} {layer} unreadable ({type(e).__name__}: {e})") from e
+        why = check_layer(self.meta, layer, parts, compact)
         if why:
             raise BadEntry(self.key, self.tier, why)
         if self.meter is not None:
-            self.meter.record(self.meta.layer_nbytes, time.perf_counter() - t0)
+            nbytes = self.meta.probe_layer_nbytes if compact else self.meta.layer_nbytes
+            self.meter.record(nbytes, time.perf_counter() - t0)
         return parts
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -111,6 +123,17 @@ class StoredEntry:
             dt = dtype_of(self.meta.dtype)
             return dequantize_tensor(p["k"], p["k_scale"], dt), dequantize_tensor(p["v"], p["v_scale"], dt)
         return p["k"], p["v"]
+
+    def probe_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of one layer from the compact copy (has_probe_copy), in the model's dtype."""
+        return probe_copy.layer_kv(self.parts(layer, compact=True), dtype_of(self.meta.dtype))
+
+    def verify(self) -> None:
+        """Read and check every layer and its compact copy; BadEntry at the first bad one."""
+        for layer in range(self.n_layers):
+            self.parts(layer)
+            if self.has_probe_copy:
+                self.parts(layer, compact=True)
 
     def materialize(self) -> ChunkKV | QuantKV:
         """Every layer read and checked, as stored: what promotion to a faster tier keeps."""

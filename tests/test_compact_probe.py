@@ -1,0 +1,171 @@
+"""The compact copy that blend's attention probe reads from disk and Redis: stored with chunks
+(never with exact prefix blocks), checked like the rest of an entry, read by the probe alone, and
+never part of the KV an answer is computed from; the read-ahead gives what inline loading gives."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from redis_server import RedisServer
+from safetensors import safe_open
+from safetensors.torch import save_file
+from test_store_engine import ASKED, STORED, make_engine, same_output, stored_engine
+
+from kvblend.cli import main
+from kvblend.store import probe_copy
+from kvblend.store.entry_format import BadEntry
+from kvblend.store.tier import StoredEntry
+from kvblend.store.throttle import Throttled
+
+
+@pytest.fixture(params=["disk", "redis"])
+def stored(request, tmp_path):
+    """(kind, an engine whose only tier is `kind`, holding STORED's chunks with compact copies)."""
+    server = RedisServer().start() if request.param == "redis" else None
+    try:
+        yield request.param, stored_engine(request.param, tmp_path, server and server.url)
+    finally:
+        if server:
+            server.kill()
+
+
+def test_int4_round_trip_is_within_half_a_step_of_each_group():
+    x = torch.randn(3, 40, 64) * torch.linspace(0.1, 20, 64)  # channels of very different sizes
+    packed, scale = probe_copy.encode(x)
+    assert packed.dtype == torch.uint8 and packed.shape == (3, 40, 32) and scale.shape == (3, 40, 2)
+    y = probe_copy.decode(packed, scale, torch.float32)
+    step = scale.float().repeat_interleave(32, dim=-1)
+    assert bool(((y - x).abs() <= step / 2 + 1e-3 * x.abs() + 1e-6).all())
+    assert probe_copy.group_size(256) == 32 and probe_copy.group_size(24) == 8 and probe_copy.group_size(7) is None
+
+
+def test_chunks_are_stored_with_a_copy_that_decodes_close_to_their_kv(stored):
+    kind, engine = stored
+    plan = engine.plan(ASKED, "blend")
+    assert all(c.kv.has_probe_copy for c in plan.chunks)
+    assert not any(kv.has_probe_copy for _, kv in plan.prefix_blocks)  # exact blocks: read in full
+    entry = plan.chunks[0].kv
+    assert entry.meta.probe_layer_nbytes < 0.4 * entry.meta.layer_nbytes  # fp32 here: an eighth and scales
+    for layer in (0, engine.runner.n_layers - 1):
+        (k, v), (pk, pv) = entry.layer(layer), entry.probe_layer(layer)
+        assert pk.dtype == k.dtype and pk.shape == k.shape
+        for full, compact in ((k, pk), (v, pv)):
+            assert float((full - compact).abs().max()) <= float(full.abs().max()) / 14 + 1e-6
+
+
+def test_without_compact_probe_nothing_extra_is_stored(tmp_path):
+    engine = stored_engine("disk", tmp_path, compact_probe=False)
+    assert not any(c.kv.has_probe_copy for c in engine.plan(ASKED, "blend").chunks)
+
+
+def test_the_probe_reads_copies_and_the_blend_pass_reads_each_layer_once_in_full(tmp_path, monkeypatch):
+    engine = stored_engine("disk", tmp_path)
+    reads = {"full": [], "compact": []}
+    parts = StoredEntry.parts
+
+    def counted(self, layer, compact=False):
+        reads["compact" if compact else "full"].append((self.key, layer))
+        return parts(self, layer, compact)
+
+    monkeypatch.setattr(StoredEntry, "parts", counted)
+    plan, out = engine.prefill(ASKED, "blend")
+    L, chunks = engine.runner.n_layers, {c.key for c in plan.chunks}
+    expected = sorted((key, layer) for key in chunks for layer in range(L))
+    assert sorted(reads["compact"]) == expected
+    assert sorted(r for r in reads["full"] if r[0] in chunks) == expected
+    reads["full"].clear(), reads["compact"].clear()
+    engine.prefill(ASKED, "reuse")  # no probe: no copy read
+    assert reads["compact"] == [] and sorted(r for r in reads["full"] if r[0] in chunks) == expected
+
+
+def test_the_answers_kv_holds_the_full_stored_kv_wherever_blend_did_not_recompute(stored):
+    """Every row blend left reused holds, past the check layer, exactly the stored KV moved to
+    its position (what reuse from memory holds there), never the probe's compact copy."""
+    kind, engine = stored
+    memory = make_engine()
+    memory.precompute(STORED)
+    _, reuse = memory.prefill(ASKED, "reuse")
+    plan, out = engine.prefill(ASKED, "blend")
+    reused = plan.reused_mask()
+    reused[out.stats.recomputed_positions] = False
+    reused = reused.nonzero().squeeze(1)
+    assert len(reused) > 0.5 * int(plan.reused_mask().sum())
+    check = max(engine.blend_cfg.check_layers)
+    assert torch.equal(out.cache.k[check + 1:, :, reused], reuse.cache.k[check + 1:, :, reused])
+    assert torch.equal(out.cache.v[check + 1:, :, reused], reuse.cache.v[check + 1:, :, reused])
+
+
+@pytest.mark.parametrize("bytes_per_s", [None, 200_000])
+def test_read_ahead_with_copies_gives_what_inline_loading_gives(tmp_path, bytes_per_s):
+    """Fast reads run ahead of the probe (the full reads wait for it to leave each layer); slow
+    reads keep it waiting: either way the KV is the inline path's, bit for bit."""
+    engine = stored_engine("disk", tmp_path)
+    if bytes_per_s:
+        engine.store.tiers[0] = Throttled(engine.store.tiers[0], bytes_per_s)
+    engine.prefetch_depth = 0
+    _, inline = engine.prefill(ASKED, "blend")
+    for depth in (1, 2, engine.runner.n_layers):
+        engine.prefetch_depth = depth
+        _, out = engine.prefill(ASKED, "blend")
+        same_output(out, inline)
+
+
+def test_a_throttled_tier_books_the_copys_bytes_for_a_copys_read(tmp_path):
+    engine = stored_engine("disk", tmp_path)
+    slow = Throttled(engine.store.tiers[0], 1e6, clock=lambda: 0.0, sleep=lambda s: None)  # time stands still
+    entry = slow.get(engine.plan(ASKED, "blend").chunks[0].key)
+    entry.probe_layer(0)
+    copy_s = slow.link.free_at
+    entry.layer(0)
+    assert copy_s == pytest.approx(entry.meta.probe_layer_nbytes / 1e6)
+    assert slow.link.free_at - copy_s == pytest.approx(entry.meta.layer_nbytes / 1e6)
+    assert entry.meta.layer_nbytes > 2 * entry.meta.probe_layer_nbytes
+
+
+def rewrite_disk_entry(engine, key, edit_tensors=None, edit_meta=None):
+    path = engine.store.tier("disk").path(key)
+    with safe_open(str(path), "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}
+        meta = json.loads(f.metadata()["kvblend"])
+    if edit_tensors:
+        edit_tensors(tensors)
+    if edit_meta:
+        edit_meta(meta)
+    save_file(tensors, str(path), metadata={"kvblend": json.dumps(meta)})
+
+
+def test_a_corrupt_copy_is_a_bad_entry_a_miss_and_verify_finds_it(tmp_path, capsys):
+    engine = stored_engine("disk", tmp_path)
+    key = engine.plan(ASKED, "blend").chunks[1].key
+
+    def flip(tensors):
+        tensors["pk.2"][0, 0, 0] ^= 0xFF
+
+    rewrite_disk_entry(engine, key, flip)
+    with pytest.raises(BadEntry, match="compact copy checksum"):
+        engine.store.tier("disk").get(key).probe_layer(2)
+    plan, out = engine.prefill(ASKED, "blend")  # the probe meets it: discarded, recomputed
+    assert out.stats.bad_entries == 1 and out.stats.chunk_tiers.count("miss") == 1
+    assert key not in engine.store.tier("disk")
+    other = stored_engine("disk", tmp_path / "other")  # `store verify` reads every copy too
+    rewrite_disk_entry(other, other.plan(ASKED, "blend").chunks[0].key, flip)
+    assert main(["store", "verify", "--local-disk", str(tmp_path / "other" / "kv")]) == 1
+    assert "compact copy checksum mismatch" in capsys.readouterr().out
+
+
+def test_an_entry_written_before_copies_existed_still_reads(tmp_path):
+    """Format 1 had no compact copy: such an entry is read, and probed, in full."""
+    engine = stored_engine("disk", tmp_path, compact_probe=False)
+    key = engine.plan(ASKED, "blend").chunks[0].key
+
+    def as_version_1(meta):
+        meta["version"] = 1
+        del meta["probe"], meta["probe_sha256"]
+
+    rewrite_disk_entry(engine, key, edit_meta=as_version_1)
+    reader = make_engine(disk=tmp_path / "kv", memory=False)
+    plan, out = reader.prefill(ASKED, "blend")
+    assert plan.chunks[0].kv is not None and not plan.chunks[0].kv.has_probe_copy
+    assert out.stats.bad_entries == 0 and out.stats.chunk_tiers == ["disk"] * 4
