@@ -348,18 +348,28 @@ class Scheduler:
         """Write-behind of documents first met in a request: a job after its answer indexes them in
         the request's namespace and precomputes them (Engine.store_misses), off the request's path."""
         ids = req.token_ids
+        self._behind(req.namespace, lambda engine: engine.store_misses(ids, missed),
+                     f"storing the {len(missed)} chunks a request missed")
 
-        def store(engine: Engine):
+    def reencode_neighbours(self, namespace: str, ids: list[int]) -> None:
+        """Write-behind of chunks a closer chunk just joined the namespace's collection for: a job
+        re-encodes them after it (Engine.reencode_neighbours), off the path of whoever posted it."""
+        self._behind(namespace, lambda engine: engine.reencode_neighbours(ids),
+                     "re-encoding chunks after their closer neighbours")
+
+    def _behind(self, namespace: str, fn: Callable[[Engine], object], what: str) -> None:
+        """Queue fn(engine) under `namespace`'s keys as a job nobody waits on."""
+        def run(engine: Engine):
             try:
-                return engine.store_misses(ids, missed)
+                return fn(engine)
             except Exception:  # nobody waits on this job: say it here
-                log.exception("storing the chunks a request missed failed")
+                log.exception("%s failed", what)
                 raise
 
         try:
-            self.submit(Job(self.namespaced(req.namespace, store)))
+            self.submit(Job(self.namespaced(namespace, run)))
         except queue.Full:
-            log.warning("queue full: the %d chunks a request missed are not stored", len(missed))
+            log.warning("queue full: %s skipped", what)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.running if s.request.cancelled.is_set()]:
