@@ -4,15 +4,19 @@ once the new KV is stored: until then the old KV is served."""
 
 import json
 import threading
+import time
 
 import httpx
 import torch
 from serving import live_server, tiny_engine
+from test_server_neighbours import ids_of
 from test_blend_invariants import PREFIX, SEP, SUFFIX, make_engine, prefill, prompt
 from test_server_faults import metric
 
 from kvblend.blend.neighbours import NeighbourIndex
 from kvblend.blend.segment import join_segments
+from kvblend.engine.sampler import SamplingParams
+from kvblend.server import scheduler as scheduler_module
 
 A = list(range(100, 124))
 B = A[:18] + list(range(260, 266))  # much like A
@@ -52,6 +56,15 @@ def test_a_chunk_first_indexed_alone_gets_a_neighbour_when_a_similar_one_arrives
     torch.testing.assert_close(kv.k, full.cache.k[:, :, start:start + len(A)], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(kv.v, full.cache.v[:, :, start:start + len(A)], atol=1e-5, rtol=1e-5)
     assert reencode(engine, "kb", [B, Y]) == 0  # nothing waits any more
+
+
+def test_documents_first_met_in_a_request_switch_older_chunks_after_the_answer():
+    engine = make_engine(chunk_context="prefix", exact_first_chunk=False)
+    engine.generate(prompt([A, X]), SamplingParams(max_tokens=1))  # stored after the answer
+    engine.generate(prompt([B, Y]), SamplingParams(max_tokens=1))  # B joins: A is re-encoded after it
+    engine.store.flush()
+    a = engine.plan(prompt([X, A]), "blend").chunks[1]
+    assert engine.keys.lead_ids(A) == B + SEP and a.kv is not None and engine.neighbour_reencodes == 1
 
 
 def test_the_old_kv_is_served_until_the_new_kv_is_stored(tmp_path):
@@ -124,20 +137,28 @@ def test_an_index_written_before_chunks_could_switch_loads_and_grows(tmp_path):
     assert saved["neighbour"][0] == saved["chunks"].index(B) and saved["pending"] == [-1] * 4
 
 
-def test_reencodes_are_counted_in_metrics(tmp_path):
+def test_reencodes_run_in_background_batches_and_are_counted_in_metrics(tmp_path, monkeypatch):
+    monkeypatch.setattr(scheduler_module, "REENCODE_BATCH", 1)  # one chunk a job: the next job is queued by it
     engine = tiny_engine(local_disk=str(tmp_path / "kv"))
-    first = ["The Tesk river flows north past Marrowick into the Grey Sea.", "Ferries cross at dawn."]
+    first = ["The Tesk river flows north past Marrowick into the Grey Sea.",
+             "Marrowick glass is blown in the old town by the river gate.", "Ferries cross at dawn."]
     later = ["The Tesk river flows north past Marrowick into the Grey Sea by the old town.",
-             "Glass is blown by the river gate."]
+             "Marrowick glass is blown in the old town by the river gate at night.", "Bread is baked on Sundays."]
     with live_server(engine) as (url, _app):
         def post(docs):
             r = httpx.post(url + "/v1/chunks", json={"documents": docs}, timeout=60)
             assert r.status_code == 200, r.text
 
+        def reencodes():
+            return metric(httpx.get(url + "/metrics").text, "kvblend_neighbour_reencodes_total")
+
         post(first)
-        assert metric(httpx.get(url + "/metrics").text, "kvblend_neighbour_reencodes_total") == 0
-        post(later)  # queues the re-encode of the first document after the later one
-        post(later)  # a job after it: the re-encode has run when this answers
-        engine.store.flush()
-        assert metric(httpx.get(url + "/metrics").text, "kvblend_neighbour_reencodes_total") == 1
+        assert reencodes() == 0
+        post(later)  # the first two documents each have a much closer one now: re-encoded after the answer
+        deadline = time.monotonic() + 60
+        while reencodes() < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert reencodes() == 2
+        index = engine.indexes.get("default")
+        assert index.waiting() == [] and [index.neighbour_of(c) for c in ids_of(first[:2])] == ids_of(later[:2])
     engine.close()

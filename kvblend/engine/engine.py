@@ -347,30 +347,29 @@ class Engine:
         missed = [c.span for c in plan.misses if c.note is None]  # the controller's recomputes are stored
         if missed and misses:
             self.store_misses(token_ids, missed, plan.segments)
+            self.reencode_neighbours(token_ids, plan.segments)  # older chunks they are much closer to
         return missed
 
     def store_misses(self, token_ids: list[int], missed: list[Span], seg: Segments | None = None) -> int:
         """Documents first met in a request join the current namespace's collection: the chunks
         that missed are indexed (each after its most similar chunk of this namespace, the
         request's other documents included) and precomputed, so the next request with them
-        gets indexed chunks; older chunks they are much closer to are re-encoded after them
-        (reencode_neighbours). Returns chunks stored."""
+        gets indexed chunks. Returns chunks stored."""
         seg = seg or self.segments(token_ids)
         chunks = [token_ids[a:b] for a, b in missed]
         if self.indexes is not None and chunks:
             new, index = self.indexes.add(self.keys.namespace, chunks)
             if new:
                 self.use_neighbours(index)
-        stored = self.precompute(token_ids, seg)
-        self.reencode_neighbours(token_ids, seg)
-        return stored
+        return self.precompute(token_ids, seg)
 
-    def reencode_neighbours(self, token_ids: list[int], seg: Segments | None = None) -> int:
+    def reencode_neighbours(self, token_ids: list[int], seg: Segments | None = None, limit: int | None = None) -> int:
         """Chunks of the current namespace for which a much closer chunk joined the collection
         since they were indexed: encode each after that chunk, in this prompt's context (one
         system prompt is the common case), and store it. Lookups keep the old key, and its stored
         KV, until the store has written the new KV behind; then, on the store's background writer,
-        the index switches each chunk to its new neighbour. Returns how many chunks were encoded."""
+        the index switches each chunk to its new neighbour. Encodes at most `limit` chunks (None:
+        all); returns how many it encoded."""
         index = self.indexes.get(self.keys.namespace) if self.indexes is not None else None
         waiting = index.waiting() if index is not None else []
         if not waiting:
@@ -380,12 +379,14 @@ class Engine:
         for chunk, candidate in waiting:
             todo[self.keys.chunk_key(chunk, context, self.keys.lead_after(candidate))] = (chunk, candidate)
         # A key stored already was encoded by an earlier try (one whose switch waits, or cut short).
-        encode = {key: pair for key, pair in todo.items() if key not in self.store}
-        kvs = encode_chunks(self.runner, context, [c for c, _ in encode.values()],
-                            [self.keys.lead_after(n) for _, n in encode.values()])
+        stored = {key for key in todo if key in self.store}
+        encode = [key for key in todo if key not in stored][:limit]
+        kvs = encode_chunks(self.runner, context, [todo[key][0] for key in encode],
+                            [self.keys.lead_after(todo[key][1]) for key in encode])
         for key, kv in zip(encode, kvs):
             self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
-        self.store.after_writes(self._switch_neighbours, self.keys.namespace, todo)
+        switch = {key: todo[key] for key in [*stored, *encode]}
+        self.store.after_writes(self._switch_neighbours, self.keys.namespace, switch)
         return len(encode)
 
     def _switch_neighbours(self, ns: str, todo: dict[str, tuple[list[int], list[int]]]) -> None:
