@@ -7,11 +7,12 @@ import threading
 import time
 
 import httpx
+import pytest
 import torch
 from serving import live_server, tiny_engine
-from test_server_neighbours import ids_of
 from test_blend_invariants import PREFIX, SEP, SUFFIX, make_engine, prefill, prompt
 from test_server_faults import metric
+from test_server_neighbours import ids_of
 
 from kvblend.blend.neighbours import NeighbourIndex
 from kvblend.blend.segment import join_segments
@@ -135,6 +136,13 @@ def test_an_index_written_before_chunks_could_switch_loads_and_grows(tmp_path):
     assert a.key == engine.keys.chunk_key(A, CONTEXT, engine.keys.lead_after(B)) and a.kv is not None
     saved = json.loads((tmp_path / "neighbours.json").read_text())
     assert saved["neighbour"][0] == saved["chunks"].index(B) and saved["pending"] == [-1] * 4
+
+
+@pytest.mark.parametrize("pending", ["[5, -1]", "[-1]", "[0.5, -1]", "null"])
+def test_a_bad_pending_field_is_a_clear_error(pending):
+    text = f'{{"format": "kvblend-neighbours-1", "chunks": [[1], [2]], "neighbour": [-1, -1], "pending": {pending}}}'
+    with pytest.raises(ValueError, match="neighbour index"):
+        NeighbourIndex.from_json(text)
 
 
 def test_reencodes_run_in_background_batches_and_are_counted_in_metrics(tmp_path, monkeypatch):
