@@ -93,7 +93,9 @@ class LLM:
         precomputed after its most similar one (see Settings)."""
         ids = self.rag_prompt_ids("", documents, system)
         self.engine.index_collection([ids])
-        return self.engine.precompute(ids)
+        stored = self.engine.precompute(ids)
+        self.engine.reencode_neighbours(ids)  # older documents these are much closer to
+        return stored
 
     def store_stats(self) -> dict[str, dict]:
         """Per tier: hits, misses, evictions, bad entries, write errors, bytes used and capacity."""

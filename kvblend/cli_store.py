@@ -68,7 +68,12 @@ def cmd_put(settings: Settings, files: list[str], data: str | None, limit: int |
     for ids in tqdm(prompts, desc="documents" if not data else "prompts", unit="prompt"):
         stored += engine.precompute(ids)
         engine.store.flush()  # keep the write-behind backlog to one prompt: nothing dropped
+    # Chunks of earlier puts that a chunk given now is much closer to: encoded after it, in the
+    # first prompt's context (one system prompt is the common case).
+    reencoded = engine.reencode_neighbours(prompts[0]) if prompts else 0
     engine.close()  # the background writes finish before we report
+    if reencoded:
+        print(f"re-encoded {reencoded} earlier chunks after a much closer new neighbour", file=sys.stderr)
     print(f"stored {stored} new chunks; tiers: "
           + ", ".join(f"{t.name} {t.used_bytes / 1e6:.1f} MB" for t in engine.store.tiers))
     return 0

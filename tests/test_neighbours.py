@@ -31,7 +31,7 @@ def test_old_neighbours_stay_as_the_collection_grows(tmp_path):
     index.add([A, C])
     assert index.neighbour_of(A) is None  # A and C share no token
     assert index.add([B, D, C]) == 2
-    assert index.neighbour_of(A) is None  # not B: the keys of A's stored KV stay valid
+    assert index.neighbour_of(A) is None  # not B yet: A switches to it once its KV after B is stored
     assert index.neighbour_of(B) == A and index.neighbour_of(D) == C
     index.save(tmp_path / "n.json")
     loaded = NeighbourIndex.load(tmp_path / "n.json")

@@ -40,8 +40,8 @@ class NamespaceIndexes:
         return index
 
     def add(self, ns: str, chunks: Iterable[Sequence[int]]) -> tuple[int, NeighbourIndex]:
-        """Index these chunks in the namespace's collection (old chunks keep their neighbours);
-        returns how many were new and the index now."""
+        """Index these chunks in the namespace's collection (old chunks keep their neighbours; a
+        much closer new one becomes pending); returns how many were new and the index now."""
         chunks = [list(c) for c in chunks]
         result: dict = {}
 
@@ -56,6 +56,27 @@ class NamespaceIndexes:
             self.store.update(ns, grow)
         self._remember(ns, self.store.version(ns), result["index"])
         return result["new"], result["index"]
+
+    def promote(self, ns: str, pairs: list[tuple[list[int], list[int]]]) -> int:
+        """Switch each (chunk, pending neighbour) whose KV after it is stored to that neighbour, in
+        one atomic update; returns how many switched (not one that another process switched first)."""
+        result = {"promoted": 0}
+
+        def switch(text: str | None) -> str | None:
+            index = self._parse(ns, text, rebuilding=False)
+            if index is None:
+                return None
+            result["promoted"] = sum(index.promote(chunk, candidate) for chunk, candidate in pairs)
+            result["index"] = index
+            return index.to_json() if result["promoted"] else None  # None: unchanged, not written
+
+        if not pairs:
+            return 0
+        with self._lock:
+            self.store.update(ns, switch)
+        if "index" in result:
+            self._remember(ns, self.store.version(ns), result["index"])
+        return result["promoted"]
 
     def _remember(self, ns: str, version, index: NeighbourIndex | None) -> None:
         with self._lock:

@@ -114,10 +114,15 @@ class KeyScheme:
         """What a chunk is precomputed after besides the context: its neighbour in the indexed
         collection and a separator, as in a prompt; nothing for a chunk outside it."""
         neighbour = self.neighbours.neighbour_of(chunk_ids) if self.neighbours is not None else None
+        return self.lead_after(neighbour)
+
+    def lead_after(self, neighbour: list[int] | None) -> list[int]:
+        """The lead of a chunk precomputed after `neighbour` (None: after nothing)."""
         return neighbour + self.sep_ids if neighbour is not None else []
 
-    def chunk_key(self, chunk_ids: list[int], context_ids: list[int]) -> str:
-        lead = self.lead_ids(chunk_ids)
+    def chunk_key(self, chunk_ids: list[int], context_ids: list[int], lead: list[int] | None = None) -> str:
+        """The key of the chunk's KV after the context and `lead` (None: its lead in the index)."""
+        lead = self.lead_ids(chunk_ids) if lead is None else lead
         mode = self.chunk_context + ("+neighbour" if lead else "")
         ctx_hash = tokens_hash(context_ids + lead) if self.chunk_context == "prefix" or lead else ""
         return chunk_key(self.namespace, self.fingerprint, self.chunk_dtype, mode, ctx_hash, chunk_ids)

@@ -107,6 +107,8 @@ class Engine:
         own = (s.namespace, Path(s.neighbour_index)) if s.neighbour_index is not None else None
         self.indexes = (NamespaceIndexes(build_index_store(self.store.tier("redis"), s.local_disk, own))
                         if s.neighbour_context else None)
+        self.neighbour_reencodes = 0  # chunks switched to a closer neighbour, their KV re-encoded after it
+        self._switched: set[str] = set()  # namespaces whose index the writer changed: bound again at the next plan
         self._bind(self.keys)
         depth = r.n_layers if s.prefetch_depth is None else s.prefetch_depth
         self.prefetch_depth = depth if s.layerwise else 0
@@ -167,8 +169,9 @@ class Engine:
 
     def index_collection(self, prompts: list[list[int]]) -> int:
         """Add the chunks of these prompts (token ids) to the current namespace's neighbour index,
-        kept where the store keeps its entries; returns how many chunks were new. A no-op when
-        neighbour_context is off."""
+        kept where the store keeps its entries; returns how many chunks were new. Older chunks
+        they are much closer to switch to them once reencode_neighbours has stored their KV. A
+        no-op when neighbour_context is off."""
         if self.indexes is None:
             return 0
         chunks = [ids[a:b] for ids in prompts for a, b in self.segments(ids).chunks]
@@ -203,6 +206,9 @@ class Engine:
         return segment(token_ids, self.sep_ids)
 
     def plan(self, token_ids: list[int], mode: str, store=None) -> Plan:
+        if self.keys.namespace in self._switched:  # chunks switched neighbours: look them up by the new keys
+            self._switched.discard(self.keys.namespace)
+            self._bind(self.keys)
         return make_plan(token_ids, self.segments(token_ids), self.keys, self.store if store is None else store,
                          use_prefix=mode != "full", use_chunks=mode in ("reuse", "blend"))
 
@@ -342,6 +348,7 @@ class Engine:
         missed = [c.span for c in plan.misses if c.note is None]  # the controller's recomputes are stored
         if missed and misses:
             self.store_misses(token_ids, missed, plan.segments)
+            self.reencode_neighbours(token_ids, plan.segments)  # older chunks they are much closer to
         return missed
 
     def store_misses(self, token_ids: list[int], missed: list[Span], seg: Segments | None = None) -> int:
@@ -356,6 +363,42 @@ class Engine:
             if new:
                 self.use_neighbours(index)
         return self.precompute(token_ids, seg)
+
+    def reencode_neighbours(self, token_ids: list[int], seg: Segments | None = None, limit: int | None = None) -> int:
+        """Chunks of the current namespace for which a much closer chunk joined the collection
+        since they were indexed: encode each after that chunk, in this prompt's context (one
+        system prompt is the common case), and store it. Lookups keep the old key, and its stored
+        KV, until the store has written the new KV behind; then, on the store's background writer,
+        the index switches each chunk to its new neighbour. Encodes at most `limit` chunks (None:
+        all); returns how many it encoded."""
+        index = self.indexes.get(self.keys.namespace) if self.indexes is not None else None
+        waiting = index.waiting() if index is not None else []
+        if not waiting:
+            return 0
+        context = self.keys.context_ids(token_ids, seg or self.segments(token_ids))
+        todo = {}  # key after the new neighbour -> (chunk, new neighbour)
+        for chunk, candidate in waiting:
+            todo[self.keys.chunk_key(chunk, context, self.keys.lead_after(candidate))] = (chunk, candidate)
+        # A key stored already was encoded by an earlier try (one whose switch waits, or cut short).
+        stored = {key for key in todo if key in self.store}
+        encode = [key for key in todo if key not in stored][:limit]
+        kvs = encode_chunks(self.runner, context, [todo[key][0] for key in encode],
+                            [self.keys.lead_after(todo[key][1]) for key in encode])
+        for key, kv in zip(encode, kvs):
+            self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
+        switch = {key: todo[key] for key in [*stored, *encode]}
+        self.store.after_writes(self._switch_neighbours, self.keys.namespace, switch)
+        return len(encode)
+
+    def _switch_neighbours(self, ns: str, todo: dict[str, tuple[list[int], list[int]]]) -> None:
+        """On the store's writer, after the re-encoded KV's writes: switch the chunks whose new KV
+        every tier written behind holds (a write dropped, or owed to a tier that is down, waits for
+        the next try)."""
+        written = [pair for key, pair in todo.items() if self.store.written(key)]
+        switched = self.indexes.promote(ns, written)
+        self.neighbour_reencodes += switched
+        if switched:
+            self._switched.add(ns)
 
     # ---- generation ------------------------------------------------------------------------
 

@@ -58,6 +58,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
     metrics.watch(lambda: scheduler.queue_depth, lambda: scheduler.active, lambda: scheduler.kv_bytes,
                   lambda: engine.store.used_bytes, lambda: len(engine.store))
     metrics.watch_store(engine.store.stats)
+    metrics.watch_engine(lambda: engine.neighbour_reencodes)
     tokenizer = engine.tokenizer
     chunks: dict[str, dict] = {}  # key -> {key, namespace, n_tokens, created}: what /v1/chunks stored
     if tokenizer is not None and not prompts.has_chat_template(tokenizer):
@@ -268,6 +269,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
             future = scheduler.run_job(scheduler.namespaced(ns, precompute))
         except queue.Full:
             raise overloaded(config.max_queue) from None
+        scheduler.reencode_neighbours(ns, ids)  # older chunks these documents are much closer to
         stored, keys = await asyncio.wrap_future(future)
         # Answer once the chunks are written behind too, so another replica on the same Redis hits them.
         if not await asyncio.to_thread(engine.store.wait_written, [k for k, _ in keys], SHARED_WRITE_TIMEOUT_S):

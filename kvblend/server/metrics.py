@@ -62,6 +62,13 @@ class ServerMetrics:
         scrape time: faults of the tiers, background writes included, show here, not only in the log."""
         self.registry.register(_StoreCollector(stats))
 
+    def watch_engine(self, neighbour_reencodes: Callable[[], float]) -> None:
+        """The engine's background work, read at scrape time: chunks re-encoded after a closer
+        neighbour that joined their collection (and switched to it)."""
+        self.registry.register(_CounterOf("kvblend_neighbour_reencodes",
+                                          "chunks re-encoded after a much closer neighbour and switched to it",
+                                          neighbour_reencodes))
+
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
@@ -133,3 +140,16 @@ class _StoreCollector:
         if "catch_up_pending" in store:
             yield GaugeMetricFamily("kvblend_store_catch_up_pending", "store: writes owed to a tier that was down",
                                     value=store["catch_up_pending"])
+
+
+class _CounterOf:
+    """One counter whose value is read at scrape time."""
+
+    def __init__(self, name: str, text: str, value: Callable[[], float]):
+        self.name, self.text, self.value = name, text, value
+
+    def describe(self):
+        return [CounterMetricFamily(self.name, self.text)]
+
+    def collect(self):
+        yield CounterMetricFamily(self.name, self.text, value=self.value())

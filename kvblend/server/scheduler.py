@@ -116,6 +116,9 @@ class Sequence:
 # Tokens of a full prefill per step. A multiple of the runner's key block: pieces that end on block
 # boundaries give bit-identical KV and logits to one pass (see runner.KEY_BLOCK).
 PREFILL_PIECE = 2 * KEY_BLOCK
+# Chunks one job re-encodes after a closer neighbour: running decode steps go on between jobs, so
+# a collection whose many old chunks a post is closer to does not stall the streams.
+REENCODE_BATCH = 8
 
 
 @dataclass
@@ -348,18 +351,35 @@ class Scheduler:
         """Write-behind of documents first met in a request: a job after its answer indexes them in
         the request's namespace and precomputes them (Engine.store_misses), off the request's path."""
         ids = req.token_ids
+        self._behind(req.namespace, lambda engine: engine.store_misses(ids, missed),
+                     f"storing the {len(missed)} chunks a request missed")
+        self.reencode_neighbours(req.namespace, ids)  # older chunks they are much closer to
 
-        def store(engine: Engine):
+    def reencode_neighbours(self, namespace: str, ids: list[int]) -> None:
+        """Write-behind of chunks a closer chunk just joined the namespace's collection for: jobs
+        re-encode them after it (Engine.reencode_neighbours), off the path of whoever posted it,
+        REENCODE_BATCH at a time."""
+        def batch(engine: Engine) -> int:
+            encoded = engine.reencode_neighbours(ids, limit=REENCODE_BATCH)
+            if encoded == REENCODE_BATCH:  # more may wait: after the steps queued meanwhile
+                self.reencode_neighbours(namespace, ids)
+            return encoded
+
+        self._behind(namespace, batch, "re-encoding chunks after their closer neighbours")
+
+    def _behind(self, namespace: str, fn: Callable[[Engine], object], what: str) -> None:
+        """Queue fn(engine) under `namespace`'s keys as a job nobody waits on."""
+        def run(engine: Engine):
             try:
-                return engine.store_misses(ids, missed)
+                return fn(engine)
             except Exception:  # nobody waits on this job: say it here
-                log.exception("storing the chunks a request missed failed")
+                log.exception("%s failed", what)
                 raise
 
         try:
-            self.submit(Job(self.namespaced(req.namespace, store)))
+            self.submit(Job(self.namespaced(namespace, run)))
         except queue.Full:
-            log.warning("queue full: the %d chunks a request missed are not stored", len(missed))
+            log.warning("queue full: %s skipped", what)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.running if s.request.cancelled.is_set()]:

@@ -196,6 +196,17 @@ class TieredStore:
         with self._written:
             return self._written.wait_for(lambda: not keys & self._pending.keys(), timeout_s)
 
+    def written(self, key: str) -> bool:
+        """Whether every tier written behind holds `key` (memory, when it is the only tier): other
+        processes on those tiers find it."""
+        behind = [t for t in self.tiers if not isinstance(t, MemoryStore)] or self.tiers
+        return all(key in t for t in behind)
+
+    def after_writes(self, fn, *args) -> None:
+        """Run fn(*args) on the background writer once every write submitted so far is done (its
+        queue is first in, first out), off the caller's path."""
+        self._writer.submit(fn, *args)
+
     def delete(self, key: str) -> bool:
         return any([tier.delete(key) for tier in self.tiers])
 
