@@ -1,8 +1,7 @@
 """TTFT and quality of `blend` with chunk KV read from each storage tier (memory, disk, Redis, and a
 disk throttled to set bandwidths), with the default schedule (every layer read ahead from the
-moment the request is planned, the probe reading the entries' compact copies), with the probe
-reading the full KV instead, with the former read-ahead (two layers ahead), and with the loading
-controller. One run, the same prompts for every configuration, interleaved per prompt so that
+moment the request is planned), with the probe reading the entries' compact copies
+(compact_probe), with the former read-ahead (two layers ahead), and with the loading controller. One run, the same prompts for every configuration, interleaved per prompt so that
 load on the machine falls on all of them alike.
 
 Each prompt's chunks are precomputed once (untimed) and copied into every tier; disk reads are
@@ -88,7 +87,7 @@ def drop_page_cache(directory: Path) -> None:
 
 
 def engine_key(c: "Config") -> tuple:
-    return c.tier, c.mb_s, c.controller, c.full_probe
+    return c.tier, c.mb_s, c.controller, c.compact
 
 
 @dataclass
@@ -98,15 +97,15 @@ class Config:
     mb_s: float | None = None  # a throttled disk's bandwidth
     former: bool = False  # two layers read ahead instead of every layer
     controller: bool = False
-    full_probe: bool = False  # the probe reads stored KV in full, not the compact copies
+    compact: bool = False  # the probe reads the entries' compact copies (compact_probe)
 
 
 def configs_for(bandwidths: list[float], former: bool | set[str] = True, controller: bool | set[str] = True,
-                plain: bool | set[str] = True, full_probe: bool | set[str] = True) -> list[Config]:
-    """Every tier, then the throttled disks; `plain` (the default schedule), `former`,
-    `full_probe` and `controller` run at every tier (True) or at the ones named ("memory", "disk",
-    "redis", or a bandwidth such as "100"). Memory, the yardstick, always runs (its probe reads
-    the full KV it holds)."""
+                plain: bool | set[str] = True, compact: bool | set[str] = True) -> list[Config]:
+    """Every tier, then the throttled disks; `plain` (the default schedule), `compact` (the probe
+    reading compact copies), `former` and `controller` run at every tier (True) or at the ones
+    named ("memory", "disk", "redis", or a bandwidth such as "100"). Memory, the yardstick,
+    always runs (its probe reads the full KV it holds)."""
     def at(which, name: str) -> bool:
         return which if isinstance(which, bool) else name in which
 
@@ -114,15 +113,15 @@ def configs_for(bandwidths: list[float], former: bool | set[str] = True, control
     for tier in ("memory", "disk", "redis"):
         if tier == "memory" or at(plain, tier):
             out.append(Config(tier, tier))
-        if tier != "memory" and at(full_probe, tier):
-            out.append(Config(f"{tier}, full-precision probe", tier, full_probe=True))
+        if tier != "memory" and at(compact, tier):
+            out.append(Config(f"{tier}, compact probe", tier, compact=True))
         if at(former, tier):
             out.append(Config(f"{tier}, {FORMER_DEPTH} layers ahead", tier, former=True))
     for mb in bandwidths:
         if at(plain, f"{mb:g}"):
             out.append(Config(f"disk at {mb:g} MB/s", "throttled", mb))
-        if at(full_probe, f"{mb:g}"):
-            out.append(Config(f"disk at {mb:g} MB/s, full-precision probe", "throttled", mb, full_probe=True))
+        if at(compact, f"{mb:g}"):
+            out.append(Config(f"disk at {mb:g} MB/s, compact probe", "throttled", mb, compact=True))
         if at(former, f"{mb:g}"):
             out.append(Config(f"disk at {mb:g} MB/s, {FORMER_DEPTH} layers ahead", "throttled", mb, former=True))
         if at(controller, f"{mb:g}"):
@@ -142,7 +141,7 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
             if c.tier != "memory" and engine_key(c) not in engines:
                 where = {"disk": dict(local_disk=str(tmp / "disk")), "redis": dict(remote_url=url)}
                 e = engine(local_cpu=False, **where.get(c.tier, dict(local_disk=str(tmp / "slow"))),
-                           loading_controller=c.controller, compact_probe=not c.full_probe)
+                           loading_controller=c.controller, compact_probe=c.compact)
                 if c.tier == "throttled":
                     e.store.tiers[0] = Throttled(e.store.tiers[0], c.mb_s * 1e6)
                 engines[engine_key(c)] = e
@@ -207,7 +206,7 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
         rs = runs[c.label]
         ttft = statistics.mean(r["ttft_s"] for r in rs)
         row = {"config": c.label, "tier": c.tier, "mb_s": c.mb_s, "former": c.former, "controller": c.controller,
-               "full_probe": c.full_probe,
+               "compact": c.compact,
                "ttft_ms": 1000 * ttft, "vs_memory": ttft / ref_ttft,
                "load_wait_ms": 1000 * statistics.mean(r["load_wait_s"] for r in rs),
                "recomputed": statistics.mean(r["recomputed"] for r in rs),
@@ -246,10 +245,10 @@ def draw(payload: dict, path: str) -> None:
 
     rows = payload["rows"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    series = [("compact probe, every layer ahead (default)", dict(former=False, controller=False, full_probe=False), "o-"),
-              ("full-precision probe", dict(former=False, controller=False, full_probe=True), "v-."),
-              (f"{FORMER_DEPTH} layers ahead", dict(former=True, controller=False, full_probe=False), "s--"),
-              ("+ controller", dict(former=False, controller=True, full_probe=False), "^:")]
+    series = [("every layer ahead (default)", dict(former=False, controller=False, compact=False), "o-"),
+              ("compact probe", dict(former=False, controller=False, compact=True), "v-."),
+              (f"{FORMER_DEPTH} layers ahead", dict(former=True, controller=False, compact=False), "s--"),
+              ("+ controller", dict(former=False, controller=True, compact=False), "^:")]
     for name, match, style in series:
         pts = sorted((r["mb_s"], r["vs_memory"]) for r in rows
                      if r["tier"] == "throttled" and all(r[k] == v for k, v in match.items()))
@@ -287,8 +286,8 @@ def main(argv: list[str] | None = None) -> None:
                     "all, none, or comma-separated (memory always runs)")
     ap.add_argument("--former-at", default="all", help=f"where to run the {FORMER_DEPTH}-layers-ahead schedule too: "
                     "all, none, or tiers and bandwidths, comma-separated (memory,100)")
-    ap.add_argument("--full-probe-at", default="all", help="where to run with the probe reading stored KV in full "
-                    "(compact_probe off) too: all, none, or tiers and bandwidths, comma-separated")
+    ap.add_argument("--compact-at", default="all", help="where to run with the probe reading the entries' compact "
+                    "copies (compact_probe) too: all, none, or tiers and bandwidths, comma-separated")
     ap.add_argument("--controller-at", default="all", help="throttled bandwidths to run the loading controller at: "
                     "all, none, or comma-separated")
     ap.add_argument("--no-quality", action="store_true", help="leave out full prefill and the quality columns")
@@ -303,7 +302,7 @@ def main(argv: list[str] | None = None) -> None:
         return {"all": True, "none": False}.get(arg, set(arg.split(",")))
 
     configs = configs_for([float(b) for b in args.bandwidths.split(",") if b], which(args.former_at),
-                          which(args.controller_at), which(args.plain_at), which(args.full_probe_at))
+                          which(args.controller_at), which(args.plain_at), which(args.compact_at))
     run(model, records, base, configs, args.out, args.plot, quality=not args.no_quality)
 
 

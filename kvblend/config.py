@@ -174,11 +174,12 @@ class Settings(BaseSettings):
     # Store chunk KV as int8 with a float16 scale per token and head (exact prefix blocks stay
     # exact): about a quarter of fp32's bytes; its fidelity cost: docs/storage.md#int8.
     kv_int8: bool = False
-    # Disk and Redis entries also hold a compact int4 copy of their KV (about 28% more bytes
-    # stored at bf16) that only blend's attention probe reads: on a slow tier the probe then
-    # finishes early while the full KV streams in behind it for the blend pass
-    # (docs/storage.md#layerwise-pipelining). Chunks in memory are probed at full precision.
-    compact_probe: bool = True
+    # Disk and Redis entries of chunks also hold a compact int4 copy of their KV (about 28% more
+    # bytes at bf16) that only blend's attention probe reads: on a slow tier (a few hundred MB/s
+    # or less) the probe then finishes early while the full KV streams in behind it for the blend
+    # pass. Decoding the copy costs CPU that a fast tier does not win back, hence off by default;
+    # chunks in memory are always probed in full (docs/storage.md#compact-probe).
+    compact_probe: bool = False
     # Plan each request's reads against its compute (probe and blend pass, from measured tier
     # bandwidth and compute speed): raise the recompute ratio above recompute_ratios (a floor) where
     # the extra rows fill waits for reads, recompute chunks whose read costs more, read from the

@@ -15,7 +15,7 @@ from test_store_engine import ASKED, STORED, make_engine, same_output, stored_en
 
 from kvblend.cli import main
 from kvblend.store import probe_copy
-from kvblend.store.entry_format import BadEntry
+from kvblend.store.entry_format import BadEntry, entry_checksum, layer_digest
 from kvblend.store.tier import StoredEntry
 from kvblend.store.throttle import Throttled
 
@@ -25,7 +25,7 @@ def stored(request, tmp_path):
     """(kind, an engine whose only tier is `kind`, holding STORED's chunks with compact copies)."""
     server = RedisServer().start() if request.param == "redis" else None
     try:
-        yield request.param, stored_engine(request.param, tmp_path, server and server.url)
+        yield request.param, stored_engine(request.param, tmp_path, server and server.url, compact_probe=True)
     finally:
         if server:
             server.kill()
@@ -55,13 +55,13 @@ def test_chunks_are_stored_with_a_copy_that_decodes_close_to_their_kv(stored):
             assert float((full - compact).abs().max()) <= float(full.abs().max()) / 14 + 1e-6
 
 
-def test_without_compact_probe_nothing_extra_is_stored(tmp_path):
-    engine = stored_engine("disk", tmp_path, compact_probe=False)
+def test_by_default_nothing_extra_is_stored(tmp_path):
+    engine = stored_engine("disk", tmp_path)
     assert not any(c.kv.has_probe_copy for c in engine.plan(ASKED, "blend").chunks)
 
 
 def test_the_probe_reads_copies_and_the_blend_pass_reads_each_layer_once_in_full(tmp_path, monkeypatch):
-    engine = stored_engine("disk", tmp_path)
+    engine = stored_engine("disk", tmp_path, compact_probe=True)
     reads = {"full": [], "compact": []}
     parts = StoredEntry.parts
 
@@ -101,7 +101,7 @@ def test_the_answers_kv_holds_the_full_stored_kv_wherever_blend_did_not_recomput
 def test_read_ahead_with_copies_gives_what_inline_loading_gives(tmp_path, bytes_per_s):
     """Fast reads run ahead of the probe (the full reads wait for it to leave each layer); slow
     reads keep it waiting: either way the KV is the inline path's, bit for bit."""
-    engine = stored_engine("disk", tmp_path)
+    engine = stored_engine("disk", tmp_path, compact_probe=True)
     if bytes_per_s:
         engine.store.tiers[0] = Throttled(engine.store.tiers[0], bytes_per_s)
     engine.prefetch_depth = 0
@@ -113,7 +113,7 @@ def test_read_ahead_with_copies_gives_what_inline_loading_gives(tmp_path, bytes_
 
 
 def test_a_throttled_tier_books_the_copys_bytes_for_a_copys_read(tmp_path):
-    engine = stored_engine("disk", tmp_path)
+    engine = stored_engine("disk", tmp_path, compact_probe=True)
     slow = Throttled(engine.store.tiers[0], 1e6, clock=lambda: 0.0, sleep=lambda s: None)  # time stands still
     entry = slow.get(engine.plan(ASKED, "blend").chunks[0].key)
     entry.probe_layer(0)
@@ -124,23 +124,21 @@ def test_a_throttled_tier_books_the_copys_bytes_for_a_copys_read(tmp_path):
     assert entry.meta.layer_nbytes > 2 * entry.meta.probe_layer_nbytes
 
 
-def rewrite_disk_entry(engine, key, edit_tensors=None, edit_meta=None):
+def rewrite_disk_entry(engine, key, edit):
+    """Rewrite a disk entry after `edit(tensors, header)` changed them in place."""
     path = engine.store.tier("disk").path(key)
     with safe_open(str(path), "pt") as f:
         tensors = {n: f.get_tensor(n) for n in f.keys()}
         meta = json.loads(f.metadata()["kvblend"])
-    if edit_tensors:
-        edit_tensors(tensors)
-    if edit_meta:
-        edit_meta(meta)
+    edit(tensors, meta)
     save_file(tensors, str(path), metadata={"kvblend": json.dumps(meta)})
 
 
 def test_a_corrupt_copy_is_a_bad_entry_a_miss_and_verify_finds_it(tmp_path, capsys):
-    engine = stored_engine("disk", tmp_path)
+    engine = stored_engine("disk", tmp_path, compact_probe=True)
     key = engine.plan(ASKED, "blend").chunks[1].key
 
-    def flip(tensors):
+    def flip(tensors, meta):
         tensors["pk.2"][0, 0, 0] ^= 0xFF
 
     rewrite_disk_entry(engine, key, flip)
@@ -149,23 +147,31 @@ def test_a_corrupt_copy_is_a_bad_entry_a_miss_and_verify_finds_it(tmp_path, caps
     plan, out = engine.prefill(ASKED, "blend")  # the probe meets it: discarded, recomputed
     assert out.stats.bad_entries == 1 and out.stats.chunk_tiers.count("miss") == 1
     assert key not in engine.store.tier("disk")
-    other = stored_engine("disk", tmp_path / "other")  # `store verify` reads every copy too
+    other = stored_engine("disk", tmp_path / "other", compact_probe=True)  # `store verify` reads copies too
     rewrite_disk_entry(other, other.plan(ASKED, "blend").chunks[0].key, flip)
     assert main(["store", "verify", "--local-disk", str(tmp_path / "other" / "kv")]) == 1
     assert "compact copy checksum mismatch" in capsys.readouterr().out
 
 
-def test_an_entry_written_before_copies_existed_still_reads(tmp_path):
-    """Format 1 had no compact copy: such an entry is read, and probed, in full."""
+def test_an_entry_of_format_1_still_reads(tmp_path):
+    """Format 1 had SHA-256 digests and no compact copy: such an entry is read, and probed, in full."""
     engine = stored_engine("disk", tmp_path, compact_probe=False)
     key = engine.plan(ASKED, "blend").chunks[0].key
 
-    def as_version_1(meta):
-        meta["version"] = 1
-        del meta["probe"], meta["probe_sha256"]
+    def as_format_1(tensors, meta):
+        digests = [layer_digest({"k": tensors[f"k.{i}"], "v": tensors[f"v.{i}"]}, "sha256")
+                   for i in range(meta["n_layers"])]
+        for name in ("probe", "probe_digests", "digest", "layer_digests"):
+            del meta[name]
+        meta |= {"version": 1, "layer_sha256": digests, "checksum": entry_checksum(digests, "sha256")}
 
-    rewrite_disk_entry(engine, key, edit_meta=as_version_1)
+    rewrite_disk_entry(engine, key, as_format_1)
     reader = make_engine(disk=tmp_path / "kv", memory=False)
     plan, out = reader.prefill(ASKED, "blend")
-    assert plan.chunks[0].kv is not None and not plan.chunks[0].kv.has_probe_copy
+    assert plan.chunks[0].kv is not None and plan.chunks[0].kv.meta.digest == "sha256"
+    assert not plan.chunks[0].kv.has_probe_copy
     assert out.stats.bad_entries == 0 and out.stats.chunk_tiers == ["disk"] * 4
+    # Changed after writing, a format-1 layer fails its SHA-256 check like any other.
+    rewrite_disk_entry(engine, key, lambda tensors, meta: tensors["v.1"].mul_(2))
+    with pytest.raises(BadEntry, match="layer 1 checksum"):
+        make_engine(disk=tmp_path / "kv", memory=False).store.tier("disk").get(key).layer(1)

@@ -47,8 +47,7 @@ def test_storage_bench_runs_every_tier_and_schedule_on_a_tiny_model(tmp_path):
         assert set(rows[label]["tiers"]) == {tier, "prefix"}  # the first chunk comes exact, by default
     # Tiers and schedules read the same KV: the same answers, so the same quality, exactly; where
     # the probe reads stored entries' compact copies, the same among themselves.
-    for full_probe in (True, False):
-        same = [label for label, r in rows.items() if not r["controller"]
-                and (r["full_probe"] or r["tier"] == "memory") == full_probe]
-        assert len(same) >= 4 and len({(rows[k]["kl_answer"], rows[k]["top1_agree"]) for k in same}) == 1
+    for compact in (False, True):
+        same = [label for label, r in rows.items() if not r["controller"] and r["compact"] == compact]
+        assert len(same) >= 3 and len({(rows[k]["kl_answer"], rows[k]["top1_agree"]) for k in same}) == 1
     assert all(r["kl_answer"] >= 0 and 0 <= r["top1_agree"] <= 1 for r in rows.values())

@@ -91,8 +91,7 @@ def test_prefill_from_a_tier_equals_prefill_from_memory(tier_kind, tmp_path, mod
     memory = make_engine()
     memory.precompute(STORED)
     plan_m, ref = memory.prefill(ASKED, mode)
-    # The probe reads what memory holds: the full KV (tests/test_compact_probe.py covers the copy).
-    engine = stored_engine(kind, tmp_path, server and server.url, compact_probe=False)
+    engine = stored_engine(kind, tmp_path, server and server.url)
     plan, out = engine.prefill(ASKED, mode)
     assert out.stats.chunk_tiers == [kind] * 4 and ref.stats.chunk_tiers == ["memory"] * 4
     assert plan.prefix_hit == plan_m.prefix_hit > 0  # the prefix blocks came from the tier too
@@ -117,8 +116,7 @@ def test_pipelining_with_a_short_probe_and_stale_key_damping(tmp_path):
     memory = make_engine(check_layers=[3], probe_layers=2, stale_key_scale=0.7)
     memory.precompute(STORED)
     _, ref = memory.prefill(ASKED, "blend")
-    engine = stored_engine("disk", tmp_path, check_layers=[3], probe_layers=2, stale_key_scale=0.7,
-                           compact_probe=False)
+    engine = stored_engine("disk", tmp_path, check_layers=[3], probe_layers=2, stale_key_scale=0.7)
     for depth in (0, 2, engine.runner.n_layers):
         engine.prefetch_depth = depth
         _, out = engine.prefill(ASKED, "blend")
@@ -302,7 +300,7 @@ import json, sys, torch
 sys.path.insert(0, {tests!r})
 from test_store_engine import ASKED, STORED, make_engine
 from kvblend.engine.sampler import SamplingParams
-engine = make_engine(redis_url={url!r}, compact_probe=False)  # both probe at full precision
+engine = make_engine(redis_url={url!r})
 if sys.argv[1] == "first":
     engine.precompute(STORED)
 plan, out = engine.prefill(ASKED, "blend")

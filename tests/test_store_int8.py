@@ -46,7 +46,7 @@ def test_int8_round_trip_through_a_tier(kind, tmp_path):
         for layer in range(q.n_layers):
             assert all(torch.equal(a, b) for a, b in zip(entry.layer(layer), q.layer(layer)))
         # Scales are under the layer digest like the KV itself.
-        entry.meta.layer_sha256[1] = "0" * 64  # as if layer 1 had been changed after writing
+        entry.meta.layer_digests[1] = "0" * 32  # as if layer 1 had been changed after writing
         with pytest.raises(BadEntry, match="layer 1 checksum"):
             entry.layer(1)
         assert torch.equal(dequantize_tensor(q.kq[0], q.k_scale[0], torch.float32), q.layer(0)[0])
@@ -75,7 +75,7 @@ def test_int8_from_disk_equals_int8_from_memory(tmp_path):
     memory = make_engine(kv_int8=True)
     memory.precompute(STORED)
     _, ref = memory.prefill(ASKED, "blend")
-    disk = stored_engine("disk", tmp_path, kv_int8=True, compact_probe=False)  # the probe reads what memory holds
+    disk = stored_engine("disk", tmp_path, kv_int8=True)
     _, out = disk.prefill(ASKED, "blend")
     assert out.stats.chunk_tiers == ["disk"] * 4
     assert torch.equal(out.logits, ref.logits)

@@ -77,7 +77,7 @@ def test_disk_file_is_safetensors_with_a_full_header(tmp_path):
     assert meta["version"] == FORMAT_VERSION and meta["key"] == "chunk-a" and meta["fingerprint"] == "fp-a"
     assert meta["dtype"] == "float32" and (meta["n_layers"], meta["n_kv_heads"], meta["head_dim"]) == (L, H, D)
     assert meta["n_tokens"] == 4 and meta["positions"] == [10, 11, 12, 13]
-    assert len(meta["layer_sha256"]) == L and len(meta["checksum"]) == 64
+    assert len(meta["layer_digests"]) == L and len(meta["checksum"]) == 32
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 

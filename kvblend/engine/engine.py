@@ -316,9 +316,13 @@ class Engine:
         if self.settings.exact_first_chunk and seg.separators and seg.exact_end > 0:
             firsts = self._store_firsts(token_ids, seg)
         for key, kv in self._encode(todo, context, firsts).items():
-            kv.probe_copy = self.settings.compact_probe
-            self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
+            self._store_chunk(key, kv)
         return len(todo)
+
+    def _store_chunk(self, key: str, kv: ChunkKV) -> None:
+        """Chunk KV (never prefix blocks) may be stored as int8 and with the probe's compact copy."""
+        kv.probe_copy = self.settings.compact_probe
+        self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
 
     def _encode(self, todo: dict[str, list[int]], context: list[int],
                 firsts: dict[tuple[int, ...], ChunkKV]) -> dict[str, ChunkKV]:
@@ -385,7 +389,7 @@ class Engine:
         kvs = encode_chunks(self.runner, context, [todo[key][0] for key in encode],
                             [self.keys.lead_after(todo[key][1]) for key in encode])
         for key, kv in zip(encode, kvs):
-            self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
+            self._store_chunk(key, kv)
         switch = {key: todo[key] for key in [*stored, *encode]}
         self.store.after_writes(self._switch_neighbours, self.keys.namespace, switch)
         return len(encode)

@@ -2,10 +2,13 @@
 
 An entry is one chunk's (or prefix block's) KV, stored one layer at a time so a prefill can read
 layer l while it computes layer l-1. Its header names the format version, the entry's own key,
-the model fingerprint, dtype, shapes, positions and a sha256 per layer (k bytes then v bytes);
-the entry checksum is the sha256 of the layer digests. An entry may also hold a compact copy
-of its KV that only the attention probe reads (store.probe_copy), with its own digest per layer,
-which the checksum covers too. A reader checks the header against what
+the model fingerprint, dtype, shapes, positions and a digest per layer (k bytes then v bytes);
+the entry checksum is the digest of the layer digests. An entry may also hold a compact copy of
+its KV that only the attention probe reads (store.probe_copy), with its own digest per layer,
+which the checksum covers too. Digests are XXH3-128 (format 1 used SHA-256, still read): every
+read checks every layer, and SHA-256 cost a 6k-token prompt's read ~0.1 s of CPU, taken from
+the prefill on a small machine. They guard against corruption, not forgery (neither does an
+unkeyed SHA-256: who can write an entry can write its digests). A reader checks the header against what
 it expects before it hands the entry out, and each layer's digest as it reads that layer, so a
 corrupt, truncated, swapped or foreign entry is a miss, never wrong KV.
 """
@@ -18,11 +21,13 @@ import math
 from dataclasses import asdict, dataclass, field
 
 import torch
+import xxhash
 
 from . import probe_copy
 
-FORMAT_VERSION = 2  # 2 adds the optional compact copy; entries of version 1 read as without one
-READABLE = (1, 2)
+FORMAT_VERSION = 2  # 2: XXH3-128 digests and the optional compact copy
+READABLE = (1, 2)  # 1: SHA-256 digests, no compact copy
+DIGESTS = {"sha256": hashlib.sha256, "xxh3_128": xxhash.xxh3_128}
 
 
 class BadEntry(Exception):
@@ -57,11 +62,12 @@ class EntryMeta:
     n_tokens: int
     head_dim: int
     positions: list[int]
-    layer_sha256: list[str]
-    checksum: str  # sha256 over the layer digests: the whole entry's data
+    layer_digests: list[str]
+    checksum: str  # digest of the layer digests: the whole entry's data
     quant: str = ""  # "" (stored in `dtype`) or "int8" (int8 with float16 scales, decoded to `dtype`)
     probe: str = ""  # "" or probe_copy.NAME: the entry holds a compact copy for the probe
-    probe_sha256: list[str] = field(default_factory=list)  # per layer, over the compact copy
+    probe_digests: list[str] = field(default_factory=list)  # per layer, over the compact copy
+    digest: str = "xxh3_128"  # the digests' algorithm, a DIGESTS name
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"))
@@ -72,7 +78,13 @@ class EntryMeta:
         if not isinstance(data, dict) or data.get("version") not in READABLE:
             version = data.get("version") if isinstance(data, dict) else None
             raise ValueError(f"format version {version!r}, this reader knows {READABLE}")
-        return cls(**data)
+        if data["version"] == 1:
+            data = {k: v for k, v in data.items() if k != "layer_sha256"} | {
+                "layer_digests": data.get("layer_sha256"), "digest": "sha256"}
+        meta = cls(**data)
+        if meta.digest not in DIGESTS:
+            raise ValueError(f"unknown digest {meta.digest!r}")
+        return meta
 
     @property
     def layer_shape(self) -> tuple[int, int, int]:
@@ -131,15 +143,15 @@ def raw_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
-def layer_digest(parts: dict[str, torch.Tensor]) -> str:
-    h = hashlib.sha256()
+def layer_digest(parts: dict[str, torch.Tensor], algorithm: str = "xxh3_128") -> str:
+    h = DIGESTS[algorithm]()
     for t in parts.values():
-        h.update(raw_bytes(t))  # hashlib releases the GIL on large buffers
+        h.update(raw_bytes(t))  # both release the GIL on large buffers
     return h.hexdigest()
 
 
-def entry_checksum(layer_sha256: list[str]) -> str:
-    return hashlib.sha256("".join(layer_sha256).encode()).hexdigest()
+def entry_checksum(digests: list[str], algorithm: str = "xxh3_128") -> str:
+    return DIGESTS[algorithm]("".join(digests).encode()).hexdigest()
 
 
 def describe(key: str, kv, fingerprint: str, probe: list[dict[str, torch.Tensor]] | None = None) -> EntryMeta:
@@ -159,11 +171,11 @@ def check_meta(meta: EntryMeta, key: str, spec: EntrySpec | None) -> str | None:
     commands, which load no model) only the entry's own consistency is checked."""
     if meta.key != key:
         return f"holds the entry of another key ({meta.key[:22]})"
-    if len(meta.layer_sha256) != meta.n_layers or len(meta.positions) != meta.n_tokens:
+    if len(meta.layer_digests) != meta.n_layers or len(meta.positions) != meta.n_tokens:
         return "header shapes disagree with its digests or positions"
-    if len(meta.probe_sha256) != (meta.n_layers if meta.probe else 0):
+    if len(meta.probe_digests) != (meta.n_layers if meta.probe else 0):
         return "header's compact copy disagrees with its digests"
-    if entry_checksum(meta.layer_sha256 + meta.probe_sha256) != meta.checksum:
+    if entry_checksum(meta.layer_digests + meta.probe_digests, meta.digest) != meta.checksum:
         return "header checksum mismatch"
     if spec is None:
         return None
@@ -185,6 +197,6 @@ def check_layer(meta: EntryMeta, layer: int, parts: dict[str, torch.Tensor], com
         t = parts[name]
         if tuple(t.shape) != shape or t.dtype != dt:
             return f"layer {layer} {name} is {t.dtype} {tuple(t.shape)}, header says {dt} {shape}"
-    if layer_digest(parts) != (meta.probe_sha256 if compact else meta.layer_sha256)[layer]:
+    if layer_digest(parts, meta.digest) != (meta.probe_digests if compact else meta.layer_digests)[layer]:
         return f"layer {layer} {'compact copy ' if compact else ''}checksum mismatch"
     return None
