@@ -161,6 +161,8 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
             else:
                 mem.precompute(ids)
             entries = {k: mem.store.tiers[0].get(k) for k in mem.store.tiers[0].keys()}
+            for key, kv in entries.items():  # stored with the probe's copies where a configuration reads them
+                kv.probe_copy = key.startswith("chunk-") and any(c.compact for c in configs)
             for e in copies:  # the throttled engines share one directory
                 for key, kv in entries.items():
                     e.store.tiers[0].put(key, kv)
@@ -181,7 +183,8 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
                 int(o.logits.argmax())
                 row = {"ttft_s": time.perf_counter() - t0, "load_wait_s": o.stats.load_wait_s,
                        "tiers": sorted(set(o.stats.chunk_tiers)), "recomputed": o.stats.recomputed_tokens,
-                       "compute_frac": o.stats.compute_frac, "controller": o.stats.controller}
+                       "compute_frac": o.stats.compute_frac, "controller": o.stats.controller,
+                       "compact_chunks": o.stats.compact_chunks}
                 if quality:
                     logits = teacher_forced(e, o, len(ids), answer, ref.shape[0])
                     row["kl_answer"] = float(kl_divergence(ref, logits).mean())
@@ -210,6 +213,7 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
                "ttft_ms": 1000 * ttft, "vs_memory": ttft / ref_ttft,
                "load_wait_ms": 1000 * statistics.mean(r["load_wait_s"] for r in rs),
                "recomputed": statistics.mean(r["recomputed"] for r in rs),
+               "compact_chunks": statistics.mean(r["compact_chunks"] for r in rs),
                "tiers": sorted({t for r in rs for t in r["tiers"]})}
         if quality:
             row |= {k: statistics.mean(r[k] for r in rs) for k in ("kl_answer", "top1_agree")}

@@ -73,7 +73,7 @@ def test_the_probe_reads_copies_and_the_blend_pass_reads_each_layer_once_in_full
     plan, out = engine.prefill(ASKED, "blend")
     L, chunks = engine.runner.n_layers, {c.key for c in plan.chunks}
     expected = sorted((key, layer) for key in chunks for layer in range(L))
-    assert sorted(reads["compact"]) == expected
+    assert sorted(reads["compact"]) == expected and out.stats.compact_chunks == len(chunks)
     assert sorted(r for r in reads["full"] if r[0] in chunks) == expected
     reads["full"].clear(), reads["compact"].clear()
     engine.prefill(ASKED, "reuse")  # no probe: no copy read

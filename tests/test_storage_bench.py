@@ -49,5 +49,6 @@ def test_storage_bench_runs_every_tier_and_schedule_on_a_tiny_model(tmp_path):
     # the probe reads stored entries' compact copies, the same among themselves.
     for compact in (False, True):
         same = [label for label, r in rows.items() if not r["controller"] and r["compact"] == compact]
+        assert all((rows[k]["compact_chunks"] > 0) == compact for k in same)  # the probe read the copies
         assert len(same) >= 3 and len({(rows[k]["kl_answer"], rows[k]["top1_agree"]) for k in same}) == 1
     assert all(r["kl_answer"] >= 0 and 0 <= r["top1_agree"] <= 1 for r in rows.values())

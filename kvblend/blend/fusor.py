@@ -110,6 +110,7 @@ class PrefillStats:
     compute_s: float = 0.0  # time in the layers, waits excluded: what the loading controller measures
     controller: dict | None = None  # the loading controller's decision, where it ran
     chunk_tiers: list[str] = field(default_factory=list)  # per chunk: prefix, memory, disk, redis or miss
+    compact_chunks: int = 0  # chunks the probe read from their compact copies (compact_probe)
     bad_entries: int = 0  # stored entries found bad during this request (discarded, recomputed)
     selected_positions: list[int] = field(default_factory=list)  # reused rows chosen for recompute
     recomputed_positions: list[int] = field(default_factory=list)  # every row computed to the end
@@ -336,7 +337,7 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     finally:
         loader.close()
     active = out.active
-    stats.load_wait_s = loader.wait_s
+    stats.load_wait_s, stats.compact_chunks = loader.wait_s, loader.compact_parts
     stats.compute_s = time.perf_counter() - t0 - loader.wait_s
 
     still_reused = reused.clone()

@@ -57,6 +57,7 @@ class ChunkLoader:
             tables = runner.shift_tables(delta, dev) if bool((delta != 0).any()) else None
             self.parts.append((c.kv, offset, start, c.span[1], tables))
         self.steps: list[Step] = []
+        self.compact_parts = 0  # chunks the probe reads from their compact copies
         self.next_step = 0  # steps below it are handed over
         self.wait_s = 0.0  # time the prefill spent waiting for loads
         self._q: queue.Queue | None = None
@@ -90,6 +91,7 @@ class ChunkLoader:
                     step.reads.append((i, False))
             self.steps.append(step)
         self._last = {s.layer: j for j, s in enumerate(self.steps)}  # a layer's last step
+        self.compact_parts = len({i for s in self.steps for i, compact in s.reads if compact})
         if self.depth > 0 and any(s.reads for s in self.steps):
             self._q = queue.Queue(maxsize=0 if self.depth >= L else self.depth)  # 0: unbounded
             self._thread = threading.Thread(target=self._work, name="kvblend-layer-loader", daemon=True)
