@@ -125,7 +125,8 @@ def configs_for(bandwidths: list[float], former: bool | set[str] = True, control
         if at(former, f"{mb:g}"):
             out.append(Config(f"disk at {mb:g} MB/s, {FORMER_DEPTH} layers ahead", "throttled", mb, former=True))
         if at(controller, f"{mb:g}"):
-            out.append(Config(f"disk at {mb:g} MB/s + controller", "throttled", mb, controller=True))
+            # With the copies stored: the controller chooses whether the probe reads them.
+            out.append(Config(f"disk at {mb:g} MB/s + controller", "throttled", mb, controller=True, compact=True))
     return out
 
 
@@ -252,7 +253,7 @@ def draw(payload: dict, path: str) -> None:
     series = [("every layer ahead (default)", dict(former=False, controller=False, compact=False), "o-"),
               ("compact probe", dict(former=False, controller=False, compact=True), "v-."),
               (f"{FORMER_DEPTH} layers ahead", dict(former=True, controller=False, compact=False), "s--"),
-              ("+ controller", dict(former=False, controller=True, compact=False), "^:")]
+              ("+ controller", dict(former=False, controller=True, compact=True), "^:")]
     for name, match, style in series:
         pts = sorted((r["mb_s"], r["vs_memory"]) for r in rows
                      if r["tier"] == "throttled" and all(r[k] == v for k, v in match.items()))

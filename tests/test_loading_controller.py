@@ -4,6 +4,8 @@ recomputing them, and reads from the fastest tier; its decision is in the metric
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from redis_server import redis_server  # noqa: F401  (fixture)
@@ -114,6 +116,28 @@ def test_a_compact_probe_reads_a_fraction_of_the_bytes_so_the_same_tier_is_not_p
     assert "probe-bound" in estimates[False].reason and "probe-bound" not in estimates[True].reason
     assert estimates[True].wait_s < 0.5 * estimates[False].wait_s
     assert estimates[True].ttft_s < estimates[False].ttft_s
+
+
+def test_the_probe_reads_the_copies_only_where_a_full_probe_would_wait_for_reads(tmp_path):
+    """A fast tier: the probe waits for nothing, so the copies would only add decoding. A tier
+    whose layer read takes about what a blend-pass layer computes: the probe over the full KV
+    would wait for every read, the copies let the reads overlap the blend pass."""
+    engine, disk, ctl = disk_engine(tmp_path, compact_probe=True)
+    plan = engine.plan(ASKED, "blend")
+    must, reused = counts(plan)
+    layer_bytes = sum(c.kv.meta.layer_nbytes for c in plan.chunks) + sum(kv.meta.layer_nbytes for _, kv in plan.prefix_blocks)
+    ctl.compute.rate = 1e4
+    decisions = {}
+    for name, rate in (("fast", 1e12), ("slow", layer_bytes * ctl.compute.rate / (must + 0.6 * reused))):
+        disk.meter.rate = rate
+        cfg, decisions[name] = ctl.decide(engine.plan(ASKED, "blend"), engine.blend_cfg)
+        assert cfg.compact_probe == decisions[name].compact
+    assert not decisions["fast"].compact and decisions["slow"].compact
+    # Stored without copies there is nothing to choose: the probe reads the full KV.
+    plain, plain_disk, plain_ctl = disk_engine(tmp_path / "plain")
+    plain_disk.meter.rate, plain_ctl.compute.rate = 1e5, 1e4
+    cfg, d = plain_ctl.decide(plain.plan(ASKED, "blend"), replace(plain.blend_cfg, compact_probe=True))
+    assert not d.compact and not cfg.compact_probe
 
 
 def test_tier_slower_than_recompute_is_not_read(tmp_path):

@@ -13,7 +13,9 @@ plays that schedule out layer by layer, from each tier's measured read bandwidth
 - the recompute ratio: raised above the configured ratio (a quality floor, never undercut) as
   far as the estimate grows by at most one layer's read, i.e. while the extra rows compute in
   time the pass would otherwise spend waiting for reads;
-- the tier to read a chunk from, when it is on several: the fastest measured (TieredStore).
+- the tier to read a chunk from, when it is on several: the fastest measured (TieredStore);
+- with compact_probe, whether the probe reads the compact copies: only where a probe over the
+  full KV would wait for its reads long enough to pay for decoding them.
 
 Where the probe walks every layer it needs every layer's stored KV before the blend pass can
 start, so a slow tier's reads fall before the blend pass and no ratio hides them: the controller
@@ -42,6 +44,7 @@ class Decision:
     ttft_s: float = 0.0  # estimated prefill seconds at this decision
     wait_s: float = 0.0  # of which waiting for reads
     reason: str = ""
+    compact: bool = False  # the probe reads compact copies (only where compact_probe stored them)
 
 
 @dataclass
@@ -124,6 +127,9 @@ class LoadingController:
     # A tier whose chunks are recomputed is no longer read, so no longer measured: one decision
     # in this many reads it anyway, to see whether it got faster.
     REMEASURE_EVERY = 16
+    # The compact copies are read where the model expects them to shorten the prefill by more
+    # than this share: decoding them takes CPU from the prefill that the model does not count.
+    COMPACT_GAIN = 0.05
 
     def __init__(self, store):
         self.store = store
@@ -167,8 +173,18 @@ class LoadingController:
         speed, reads = self.compute.rate, self._reads(plan)
         chunks = plan.read_chunks()
         if speed is None or reads is None or not chunks or not any(cfg.ratios):
-            return cfg, Decision(floor, floor, reason="not measured yet" if chunks else "nothing to read")
+            return cfg, Decision(floor, floor, reason="not measured yet" if chunks else "nothing to read",
+                                 compact=cfg.compact_probe)
         n_layers, pair_s = chunks[0].kv.n_layers, 1.0 / speed
+        if cfg.compact_probe and reads.compact < reads.full:
+            # Read the copies only where that saves more than their decoding costs (CPU the model
+            # does not see): where a probe over the full KV would wait for its reads.
+            full = replace(cfg, compact_probe=False)
+            with_full, with_copies = (play(work(plan, c, floor, n_layers), reads, pair_s) for c in (full, cfg))
+            if with_copies[0] > (1 - self.COMPACT_GAIN) * with_full[0]:
+                cfg = full
+        else:
+            cfg = replace(cfg, compact_probe=False)
 
         def estimate(ratio: float) -> tuple[float, float, float]:
             return play(work(plan, cfg, ratio, n_layers), reads, pair_s)
@@ -212,7 +228,8 @@ class LoadingController:
             reason = "loading-bound: recompute more instead of waiting"
         else:
             reason = "compute-bound: loading hides behind compute"
-        decision = Decision(floor, ratio, dropped, reads.full, w.blend_rows[-1] * pair_s, ttft, wait, reason)
+        decision = Decision(floor, ratio, dropped, reads.full, w.blend_rows[-1] * pair_s, ttft, wait, reason,
+                            cfg.compact_probe)
         if ratio == floor:
             return cfg, decision
         return replace(cfg, ratios=[max(r, ratio) for r in cfg.ratios]), decision
