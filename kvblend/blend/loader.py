@@ -8,7 +8,8 @@ thread does exactly what the inline path does, so the KV is bitwise the same eit
 The reads follow the passes: blend's attention probe first (where it reads an entry's compact
 copy, store.probe_copy, if the entry has one), then the pass that computes the answer's KV, which
 reads the full KV of what the probe read compact. A full read waits to be written until the probe
-has left that layer, so the probe always sees the compact copy and the blend pass the full KV.
+has left that layer, so the probe always sees the compact copy and the blend pass the full KV. The
+probe decodes the copies itself as it takes each layer, so the reader streams on meanwhile.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.runner import KVCache, Runner
+from ..store import probe_copy
 from .plan import Plan
 
 
@@ -98,17 +100,19 @@ class ChunkLoader:
             self._thread.start()
 
     def _read(self, step: Step) -> list:
+        """Each read's K and V, or a compact copy's stored tensors (checked, not yet decoded)."""
         out = []
         for i, compact in step.reads:
             src = self.parts[i][0]
-            out.append((i, *(src.probe_layer(step.layer) if compact else src.layer(step.layer))))
+            out.append((i, src.parts(step.layer, compact=True) if compact else src.layer(step.layer)))
         return out
 
     def _write(self, step: Step, read: list) -> None:
         """Write one step's reads, re-encoded, into the cache: straight into its rows, since a
         layer's rows are read only after load_layer hands that step over."""
         dev, layer = self.runner.device, step.layer
-        for i, k, v in read:
+        for i, kv in read:
+            k, v = probe_copy.layer_kv(kv, self.cache.k.dtype) if isinstance(kv, dict) else kv
             _, offset, start, end, tables = self.parts[i]
             rows = slice(offset, offset + end - start)
             if tables is None:
@@ -127,6 +131,11 @@ class ChunkLoader:
                     return
                 try:
                     read = self._read(step)
+                    if any(compact for _, compact in step.reads):
+                        # The probe decodes and writes its copies itself: the reader streams on
+                        # meanwhile, as a device's reads would, instead of idling while it decodes.
+                        self._q.put(read)
+                        continue
                     if step.after is not None:  # the probe still reads this layer's compact rows
                         with self._handed:
                             self._handed.wait_for(lambda: self.next_step > step.after + 1 or self._stop)
@@ -152,6 +161,8 @@ class ChunkLoader:
             self.wait_s += time.perf_counter() - t0
             if isinstance(done, BaseException):
                 raise done
+            if isinstance(done, list):  # a compact step's reads, for this thread to write
+                self._write(step, done)
             return
         if self._last.get(layer, -1) >= j:
             raise RuntimeError(f"layer {layer} loaded before layer {self.steps[j].layer}")
