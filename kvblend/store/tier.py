@@ -11,8 +11,8 @@ from typing import Protocol
 
 import torch
 
-from .chunk_kv import ChunkKV
 from . import probe_copy
+from .chunk_kv import ChunkKV
 from .entry_format import BadEntry, EntryMeta, check_layer, dtype_of
 from .int8 import QuantKV, dequantize_tensor
 
