@@ -408,6 +408,41 @@ def test_wait_written_waits_for_its_keys_only(tmp_path):
     store.close()
 
 
+def test_a_write_caught_up_again_is_still_owed_until_it_lands(tmp_path):
+    """catch_up writes a down tier's missed entries again: while such a write is in flight (and
+    when it fails again) the tier still owes the key, so a caller is never told it is written."""
+    attempt, release = threading.Event(), threading.Event()
+
+    class Flaky(DiskTier):  # a tier that can come back, down while `up` is False
+        available, up = True, False
+
+        def put(self, key, value):
+            attempt.set()
+            release.wait(30)
+            if not self.up:
+                self.write_errors += 1
+                return False
+            return super().put(key, value)
+
+    tier = Flaky(tmp_path, MB, SPEC)
+    release.set()
+    store = TieredStore([MemoryStore(MB), tier])
+    store.put("chunk-a", kv())
+    store.flush()
+    assert store.missed_by(["chunk-a"]) == ["disk"]
+    for up in (False, True):
+        attempt.clear(), release.clear()
+        tier.up = up
+        assert store.catch_up() == 1
+        assert attempt.wait(30) and store.missed_by(["chunk-a"]) == ["disk"]  # in flight: owed
+        assert store.stats()["store"]["catch_up_pending"] == 1
+        release.set()
+        store.flush()
+    assert store.missed_by(["chunk-a"]) == [] and "chunk-a" in tier and store.caught_up == 1
+    assert store.stats()["store"]["catch_up_pending"] == 0
+    store.close()
+
+
 # ---- a throttled tier ---------------------------------------------------------------------------
 
 def test_throttle_shares_its_bandwidth_between_concurrent_reads(tmp_path):

@@ -44,6 +44,7 @@ class TieredStore:
         # Writes a tier that can come back (Redis) failed while it was down: tier name -> key -> KV,
         # written again by catch_up once it answers, within the same byte bound as write-behind.
         self._missed: dict[str, dict[str, ChunkKV]] = {}
+        self._retrying: dict[str, set[str]] = {}  # tier name -> keys catch_up is writing again now
         self._missed_bytes, self.caught_up = 0, 0
 
     @property
@@ -169,20 +170,29 @@ class TieredStore:
                     continue
                 self._missed[tier.name] = {}
                 self._missed_bytes -= sum(kv.nbytes for kv in missed.values())
+                self._retrying.setdefault(tier.name, set()).update(missed)  # still owed until written
             for key, kv in missed.items():
                 self._writer.submit(self._catch_up_one, tier, key, kv)
             queued += len(missed)
         return queued
 
     def _catch_up_one(self, tier: Tier, key: str, kv: ChunkKV) -> None:
-        if self._put_or_remember(tier, key, kv):
-            self.caught_up += 1
+        try:
+            if self._put_or_remember(tier, key, kv):  # or, failing, owed again in _missed
+                self.caught_up += 1
+        finally:
+            with self._lock:
+                self._retrying[tier.name].discard(key)
 
     def missed_by(self, keys) -> list[str]:
         """Tiers that still owe some of `keys` a write (down when it was tried; caught up later)."""
         keys = set(keys)
         with self._lock:
-            return [name for name, missed in self._missed.items() if keys & missed.keys()]
+            return [t.name for t in self.tiers if keys & self._owed(t.name)]
+
+    def _owed(self, tier: str) -> set[str]:
+        """Keys a tier still owes a write: missed, or being written again now (under the lock)."""
+        return self._missed.get(tier, {}).keys() | self._retrying.get(tier, set())
 
     def holding(self, key: str) -> list[str]:
         """The tiers that hold `key` now."""
@@ -234,13 +244,17 @@ class TieredStore:
     def bad_entries(self) -> int:
         return sum(t.counters()["bad_entries"] for t in self.tiers)
 
+    def _owed_count(self) -> int:
+        with self._lock:
+            return sum(len(self._owed(t.name)) for t in self.tiers)
+
     def stats(self) -> dict[str, dict]:
         return {t.name: {**t.counters(), "used_bytes": t.used_bytes, "capacity_bytes": t.capacity_bytes}
                 for t in self.tiers} | {"store": {"promotions": self.promotions,
                                                   "writer_errors": self._writer_.errors if self._writer_ else 0,
                                                   "writes_dropped": self.writes_dropped,
                                                   "catch_up_writes": self.caught_up,
-                                                  "catch_up_pending": sum(map(len, self._missed.values()))}}
+                                                  "catch_up_pending": self._owed_count()}}
 
 
 def build_store(s: Settings, spec: EntrySpec | None) -> TieredStore:
