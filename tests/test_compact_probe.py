@@ -49,7 +49,8 @@ def test_chunks_are_stored_with_a_copy_that_decodes_close_to_their_kv(stored):
     entry = plan.chunks[0].kv
     assert entry.meta.probe_layer_nbytes < 0.4 * entry.meta.layer_nbytes  # fp32 here: an eighth and scales
     for layer in (0, engine.runner.n_layers - 1):
-        (k, v), (pk, pv) = entry.layer(layer), entry.probe_layer(layer)
+        (k, v) = entry.layer(layer)
+        pk, pv = probe_copy.layer_kv(entry.parts(layer, compact=True), k.dtype)  # as the loader decodes it
         assert pk.dtype == k.dtype and pk.shape == k.shape
         for full, compact in ((k, pk), (v, pv)):
             assert float((full - compact).abs().max()) <= float(full.abs().max()) / 14 + 1e-6
@@ -116,7 +117,7 @@ def test_a_throttled_tier_books_the_copys_bytes_for_a_copys_read(tmp_path):
     engine = stored_engine("disk", tmp_path, compact_probe=True)
     slow = Throttled(engine.store.tiers[0], 1e6, clock=lambda: 0.0, sleep=lambda s: None)  # time stands still
     entry = slow.get(engine.plan(ASKED, "blend").chunks[0].key)
-    entry.probe_layer(0)
+    entry.parts(0, compact=True)
     copy_s = slow.link.free_at
     entry.layer(0)
     assert copy_s == pytest.approx(entry.meta.probe_layer_nbytes / 1e6)
@@ -143,7 +144,7 @@ def test_a_corrupt_copy_is_a_bad_entry_a_miss_and_verify_finds_it(tmp_path, caps
 
     rewrite_disk_entry(engine, key, flip)
     with pytest.raises(BadEntry, match="compact copy checksum"):
-        engine.store.tier("disk").get(key).probe_layer(2)
+        engine.store.tier("disk").get(key).parts(2, compact=True)
     plan, out = engine.prefill(ASKED, "blend")  # the probe meets it: discarded, recomputed
     assert out.stats.bad_entries == 1 and out.stats.chunk_tiers.count("miss") == 1
     assert key not in engine.store.tier("disk")

@@ -42,19 +42,17 @@ def test_fast_tier_keeps_the_floor(tmp_path):
 
 
 def test_play_streams_reads_back_to_back_and_each_pass_waits_for_its_layer():
-    w = Work(probe_reads=[0, 1, 2], blend_reads=[], compact=False, probe_layers=3, probe_rows=1,
-             blend_rows=[2, 2, 2])
+    w = Work(blend_reads=[], compact=False, probe_layers=3, probe_rows=1, blend_rows=[2, 2, 2])
     # Layers arrive at 1, 2, 3 s; the probe's layers (0.1 s) each wait for theirs, the blend pass
     # (0.2 s a layer) finds every layer read.
     assert play(w, LayerReads(full=1.0), pair_s=0.1) == pytest.approx((3.7, 2.8, 2.8))
     # A blend pass that reads its own layers (no probe) waits only where reading is slower.
-    w = Work(probe_reads=[], blend_reads=[1, 2], compact=False, probe_layers=0, probe_rows=0, blend_rows=[30, 3, 3])
+    w = Work(blend_reads=[1, 2], compact=False, probe_layers=0, probe_rows=0, blend_rows=[30, 3, 3])
     assert play(w, LayerReads(full=2.0), pair_s=0.1) == pytest.approx((4.3, 0.7, 0.0))
 
 
 def test_play_a_compact_probe_reads_copies_first_and_the_blend_pass_reads_in_full_behind_it():
-    w = Work(probe_reads=[0, 1, 2], blend_reads=[0, 1, 2], compact=True, probe_layers=3, probe_rows=1,
-             blend_rows=[10, 10, 10])
+    w = Work(blend_reads=[0, 1, 2], compact=True, probe_layers=3, probe_rows=1, blend_rows=[10, 10, 10])
     # Copies arrive at 0.25, 0.5, 0.75 s: the probe (0.1 s a layer) waits 0.25 + 0.15 + 0.15 s and
     # ends at 0.85 s. Full layers arrive at 1.75, 2.75, 3.75 s: the blend pass (1 s a layer) waits
     # 0.9 s for the first, then finds each read as it finishes the layer before.

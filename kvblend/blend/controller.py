@@ -4,9 +4,9 @@ A blend prefill reads stored KV in the order its passes need it: the attention p
 first, then the layers the blend pass reads that the probe did not (with a full-depth probe,
 none; with compact_probe, in full, those the probe read compact). One background reader
 streams them back to back from the moment the request is planned; each pass's layer starts when
-the one before it is done and its KV has arrived. The controller
-plays that schedule out layer by layer, from each tier's measured read bandwidth
-(store.tier.Meter) and the measured compute speed in (layer, row) pairs a second, and chooses:
+the one before it is done and its KV has arrived. The controller plays that schedule out layer
+by layer, from each tier's measured read bandwidth (store.tier.Meter) and the measured compute
+speed in (layer, row) pairs a second, and chooses:
 
 - which chunks to recompute instead of read: the slowest tier's first, while that makes the
   estimated time to first token shorter (reading them costs more than computing their rows);
@@ -51,10 +51,9 @@ class Decision:
 class Work:
     """What one prefill computes and reads, layer by layer, at one ratio."""
 
-    probe_reads: list[int]  # layers the probe reads, in order (compact copies, with compact_probe)
-    blend_reads: list[int]  # layers the blend pass reads after them (not those the probe loaded in full)
+    blend_reads: list[int]  # layers the blend pass reads after the probe's (not those it loaded in full)
     compact: bool  # the probe reads compact copies; the blend pass then reads those entries in full
-    probe_layers: int
+    probe_layers: int  # the probe reads these first layers (compact copies, with compact_probe)
     probe_rows: int
     blend_rows: list[int]  # rows the blend pass computes at each layer
 
@@ -88,7 +87,7 @@ def work(plan: Plan, cfg: BlendConfig, ratio: float, n_layers: int) -> Work:
         if layer in cfg.check_layers:
             kept = must + cfg.budget(ratios[cfg.check_layers.index(layer)], reused)
         rows.append(kept)
-    return Work(list(range(probe_depth)), list(range(blend_from, n_layers)), compact, probe_depth, probe_rows, rows)
+    return Work(list(range(blend_from, n_layers)), compact, probe_depth, probe_rows, rows)
 
 
 @dataclass
@@ -102,20 +101,20 @@ class LayerReads:
 
 def play(w: Work, reads: LayerReads, pair_s: float) -> tuple[float, float, float]:
     """(seconds to the last layer's end, of which waiting for reads, of which the probe's): the
-    reader streams the probe's layers, then the blend pass's, back to back from time 0; each pass computes its
-    layers in turn, a layer starting when the one before is done and its KV has arrived (a layer
-    the pass does not read needs nothing)."""
+    reader streams the probe's layers, then the blend pass's, back to back from time 0; each pass
+    computes its layers in turn, a layer starting when the one before is done and its KV has
+    arrived (a layer the pass does not read needs nothing)."""
     t, probe_at, blend_at = 0.0, {}, {}
-    for layer in w.probe_reads:
+    for layer in range(w.probe_layers):
         t += reads.compact if w.compact else reads.full
         probe_at[layer] = t
     for layer in w.blend_reads:
         t += reads.rest if w.compact and layer < w.probe_layers else reads.full
         blend_at[layer] = t
-    clock = wait = probe_wait = 0.0
+    clock = probe_wait = 0.0
     for layer in range(w.probe_layers):
-        probe_wait += max(0.0, probe_at.get(layer, 0.0) - clock)
-        clock = max(clock, probe_at.get(layer, 0.0)) + w.probe_rows * pair_s
+        probe_wait += max(0.0, probe_at[layer] - clock)
+        clock = max(clock, probe_at[layer]) + w.probe_rows * pair_s
     wait = probe_wait
     for layer, rows in enumerate(w.blend_rows):
         wait += max(0.0, blend_at.get(layer, 0.0) - clock)

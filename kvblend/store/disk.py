@@ -1,6 +1,6 @@
 """Local disk tier: one safetensors file per entry, tensors k.<layer> and v.<layer> (int8 entries
-add k_scale.<layer>, v_scale.<layer>; the compact copy for the probe pk, pv and their scales), the entry
-header (entry_format) in the safetensors metadata. Written to a temporary file and renamed, so a
+add k_scale.<layer>, v_scale.<layer>; the probe's compact copy pk, pv and their scales), the
+entry header (entry_format) in the safetensors metadata. Written to a temporary file and renamed, so a
 reader sees a whole entry or none; read lazily, one layer at a time, through safe_open.
 
 Several processes may share a directory: a get looks at the file system, not only at this
@@ -20,8 +20,8 @@ from safetensors.torch import save as safetensors_bytes
 
 from .chunk_kv import ChunkKV
 from .entry_format import EntryMeta, EntrySpec, check_meta, describe
-from .probe_copy import entry_parts as compact_copy
 from .int8 import QuantKV
+from .probe_copy import entry_parts as compact_copy
 from .tier import Counters, StoredEntry
 
 log = logging.getLogger(__name__)

@@ -8,9 +8,9 @@ its KV that only the attention probe reads (store.probe_copy), with its own dige
 which the checksum covers too. Digests are XXH3-128 (format 1 used SHA-256, still read): every
 read checks every layer, and SHA-256 cost a 6k-token prompt's read ~0.1 s of CPU, taken from
 the prefill on a small machine. They guard against corruption, not forgery (neither does an
-unkeyed SHA-256: who can write an entry can write its digests). A reader checks the header against what
-it expects before it hands the entry out, and each layer's digest as it reads that layer, so a
-corrupt, truncated, swapped or foreign entry is a miss, never wrong KV.
+unkeyed SHA-256: who can write an entry can write its digests). A reader checks the header
+against what it expects before it hands the entry out, and each layer's digest as it reads that
+layer, so a corrupt, truncated, swapped or foreign entry is a miss, never wrong KV.
 """
 
 from __future__ import annotations

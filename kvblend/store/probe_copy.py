@@ -17,7 +17,6 @@ import torch
 NAME = "int4"  # the entry header's `probe` field for entries that hold this copy
 GROUP = 32
 SCALE_DTYPE = torch.float16
-PARTS = ("pk", "pv", "pk_scale", "pv_scale")  # stored per layer, in storage and digest order
 
 
 def group_size(head_dim: int) -> int | None:
@@ -58,10 +57,10 @@ def layer_parts(k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
 
 def entry_parts(kv) -> list[dict[str, torch.Tensor]] | None:
     """Every layer's compact copy of a ChunkKV or QuantKV; None where the head size can't be packed."""
-    k0, _ = kv.layer(0)
-    if group_size(k0.shape[-1]) is None:
+    layers = [kv.layer(layer) for layer in range(kv.n_layers)]
+    if group_size(layers[0][0].shape[-1]) is None:
         return None
-    return [layer_parts(*kv.layer(layer)) for layer in range(kv.n_layers)]
+    return [layer_parts(k, v) for k, v in layers]
 
 
 def layer_kv(parts: dict[str, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

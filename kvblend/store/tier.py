@@ -11,7 +11,6 @@ from typing import Protocol
 
 import torch
 
-from . import probe_copy
 from .chunk_kv import ChunkKV
 from .entry_format import BadEntry, EntryMeta, check_layer, dtype_of
 from .int8 import QuantKV, dequantize_tensor
@@ -123,10 +122,6 @@ class StoredEntry:
             dt = dtype_of(self.meta.dtype)
             return dequantize_tensor(p["k"], p["k_scale"], dt), dequantize_tensor(p["v"], p["v_scale"], dt)
         return p["k"], p["v"]
-
-    def probe_layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of one layer from the compact copy (has_probe_copy), in the model's dtype."""
-        return probe_copy.layer_kv(self.parts(layer, compact=True), dtype_of(self.meta.dtype))
 
     def verify(self) -> None:
         """Read and check every layer and its compact copy; BadEntry at the first bad one."""
