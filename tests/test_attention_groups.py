@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kvblend.model.runner import KEY_BLOCK, attend, biased_groups, query_groups
+from kvblend.model.runner import KEY_BLOCK, attend, biased_groups, one_call_group, query_groups
 
 
 def _check_partition(groups, q_pos, n_keys):
@@ -73,4 +73,30 @@ def test_biased_groups_add_the_key_bias_to_the_logits(rows):
     kk, vv = k.repeat_interleave(2, dim=0), v.repeat_interleave(2, dim=0)
     logits = q[:, pick] @ kk.transpose(1, 2) * scale + bias
     logits = logits.masked_fill(torch.arange(T)[None, :] > pick[:, None], float("-inf"))
+    torch.testing.assert_close(out, logits.softmax(-1) @ vv, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("rows", ["suffix", "scattered", "tail"])
+@pytest.mark.parametrize("biased", [False, True])
+@pytest.mark.parametrize("window", [None, 200])
+def test_one_call_groups_attend_as_the_reference(rows, biased, window):
+    """The grouping CUDA takes (one call, the tail by the lower-right causal kernel) gives every
+    row softmax(q k^T * scale + bias) over the keys it sees, here on the CPU's kernels."""
+    g = torch.Generator().manual_seed(3)
+    T = 1500
+    q, k, v = (torch.randn(h, T, 16, generator=g) for h in (6, 2, 2))
+    bias = torch.where(torch.rand(T, generator=g) < 0.5, math.log(0.3), 0.0) if biased else torch.zeros(T)
+    pick = {"suffix": torch.arange(1400, T), "tail": torch.arange(30, T),
+            "scattered": torch.randperm(T, generator=g)[:300].sort().values}[rows]
+    group = one_call_group(pick, window)
+    assert group.causal == (rows != "scattered" and window is None)
+    groups = biased_groups([group], bias) if biased else [group]
+    out = attend(q[:, pick], k, v, groups, 16 ** -0.5)
+    kk, vv = k.repeat_interleave(3, dim=0), v.repeat_interleave(3, dim=0)
+    logits = q[:, pick] @ kk.transpose(1, 2) * 16 ** -0.5 + bias
+    key_pos = torch.arange(T)[None, :]
+    hidden = key_pos > pick[:, None]
+    if window is not None:
+        hidden |= key_pos <= pick[:, None] - window
+    logits = logits.masked_fill(hidden, float("-inf"))
     torch.testing.assert_close(out, logits.softmax(-1) @ vv, atol=1e-5, rtol=1e-5)

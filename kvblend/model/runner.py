@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from .loader import LoadedModel
 from .rotary import apply_rope, layer_rotary_keys, rotaries
@@ -267,7 +268,7 @@ class QueryGroup:
     rows: slice  # consecutive query rows
     end: int  # keys [start, end) are all they can see
     mask: torch.Tensor | None  # [n, end - start] bool, or None when the rows see every key (causal / decode)
-    causal: bool = False  # the rows are positions [0, end): the plain causal kernel, no mask
+    causal: bool = False  # the rows are the last n positions of [start, end): the causal kernel, no mask
     start: int = 0  # > 0 only in sliding-window layers: the keys before it are out of every row's window
 
 
@@ -284,7 +285,8 @@ def query_groups(q_pos: torch.Tensor, n_keys: int, window: int | None = None) ->
     of its last block only, so masked rows pay for little more than the causal triangle, while a
     few rows spread over a long prompt (separators, a suffix) share one call. In sliding-window
     layers a run also starts at the key block holding its first row's window start: it reads the
-    window, not the whole cache. Built once per pass: every layer reuses the masks.
+    window, not the whole cache. On CUDA every row goes in one call (one_call_group). Built once
+    per pass: every layer reuses the masks.
     """
     n = q_pos.shape[0]
     last, first = int(q_pos[-1]), int(q_pos[0])
@@ -293,17 +295,42 @@ def query_groups(q_pos: torch.Tensor, n_keys: int, window: int | None = None) ->
             return [QueryGroup(slice(0, n), n, None, causal=True)]
         if n == 1:  # decode: the one query sees every key (of its window)
             return [QueryGroup(slice(0, 1), n_keys, None, start=max(0, n_keys - (window or n_keys)))]
+    if groups_in_one_call(q_pos):
+        return [one_call_group(q_pos, window)]
     groups = []
     for a, b in _block_runs(q_pos, n_keys, window):
         qp = q_pos[a:b]
         start = _window_start(int(qp[0]), window)
         end = min((int(qp[-1]) // KEY_BLOCK + 1) * KEY_BLOCK, n_keys)
-        key_pos = torch.arange(start, end, device=q_pos.device)
-        mask = key_pos[None, :] <= qp[:, None]
-        if window is not None:
-            mask &= key_pos[None, :] > qp[:, None] - window
-        groups.append(QueryGroup(slice(a, b), end, mask, start=start))
+        groups.append(QueryGroup(slice(a, b), end, _mask(qp, start, end, window), start=start))
     return groups
+
+
+def groups_in_one_call(q_pos: torch.Tensor) -> bool:
+    """Whether these queries take one_call_group rather than the CPU's calls over key blocks."""
+    return q_pos.is_cuda
+
+
+def one_call_group(q_pos: torch.Tensor, window: int | None = None) -> QueryGroup:
+    """Every query row in one attention call, over the keys up to the last row's. On a GPU a
+    kernel launch costs more than the masked keys a dense [n, T] mask makes it read: at 8k tokens
+    and 15% of the rows, one call took 1.0 ms against the CPU's block groups' 1.7 ms on an H200
+    (benchmarks/gpu_bench.py). The prompt's last n rows (prefix reuse) take the causal kernel,
+    aligned to the lower right, and no mask at all."""
+    n, first, last = q_pos.shape[0], int(q_pos[0]), int(q_pos[-1])
+    if window is None and last - first + 1 == n:
+        return QueryGroup(slice(0, n), last + 1, None, causal=True)
+    start = _window_start(first, window)
+    return QueryGroup(slice(0, n), last + 1, _mask(q_pos, start, last + 1, window), start=start)
+
+
+def _mask(q_pos: torch.Tensor, start: int, end: int, window: int | None) -> torch.Tensor:
+    """[n, end - start] bool: the keys each query sees (its own position and before, in its window)."""
+    key_pos = torch.arange(start, end, device=q_pos.device)
+    mask = key_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        mask &= key_pos[None, :] > q_pos[:, None] - window
+    return mask
 
 
 def _window_start(pos: int, window: int | None) -> int:
@@ -342,10 +369,10 @@ def biased_groups(groups: list[QueryGroup], bias: torch.Tensor) -> list[QueryGro
         keys = bias[g.start:g.end]
         if g.mask is not None:
             mask = torch.where(g.mask, keys, float("-inf"))
-        elif g.causal:
-            n = g.rows.stop - g.rows.start
-            mask = keys.expand(n, -1).masked_fill(torch.ones(n, n, dtype=torch.bool, device=keys.device).triu(1),
-                                                  float("-inf"))
+        elif g.causal:  # row i of n sees the keys up to T - n + i
+            n, T = g.rows.stop - g.rows.start, g.end - g.start
+            above = torch.ones(n, T, dtype=torch.bool, device=keys.device).triu(T - n + 1)
+            mask = keys.expand(n, -1).masked_fill(above, float("-inf"))
         else:  # decode: the one row sees every key of [start, end)
             mask = keys[None]
         out.append(QueryGroup(g.rows, g.end, mask, start=g.start))
@@ -362,13 +389,16 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[Query
         mask = None if g.mask is None else g.mask.to(q.dtype)[None, None]
         o = F.scaled_dot_product_attention(q.view(k.shape[0], -1, q.shape[2])[None], k[None, :, g.start:g.end],
                                            v[None, :, g.start:g.end], attn_mask=mask, scale=scale)[0]
-        return o.view(q.shape)
+        return o.reshape(q.shape)  # CUDA kernels may return it strided
     out = []
     for g in groups:
         mask = None if g.mask is None else g.mask[None, None]
         if mask is not None and mask.dtype != torch.bool:
             mask = mask.to(q.dtype)
+        n, keys = g.rows.stop - g.rows.start, g.end - g.start
+        if g.causal and n < keys:  # the last rows of a longer sequence: causal from the lower right
+            mask = causal_lower_right(n, keys)
         out.append(F.scaled_dot_product_attention(
             q[None, :, g.rows], k[None, :, g.start:g.end], v[None, :, g.start:g.end], attn_mask=mask,
-            is_causal=g.causal, scale=scale, enable_gqa=True)[0])
+            is_causal=g.causal and n == keys, scale=scale, enable_gqa=True)[0])
     return out[0] if len(out) == 1 else torch.cat(out, dim=1)
