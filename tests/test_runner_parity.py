@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from tiny_models import FAMILIES, tiny_model
+from tiny_models import DEVICES, FAMILIES, tiny_model
 
 from kvblend.model.rotary import check_rerotation
 from kvblend.model.runner import Runner
@@ -50,12 +50,13 @@ def test_scattered_rows_and_decode_match_transformers(family):
     torch.testing.assert_close(torch.cat(steps), ref[80:], atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
-def test_rerotation_moves_k_to_new_positions(family):
+def test_rerotation_moves_k_to_new_positions(family, device):
     """A chunk computed at offset p, its K re-rotated to q, equals the chunk computed at q with
     the same left context; V needs no change. Gemma 3 moves each layer with its own rotary (local
     base for sliding-window layers, a scaled global one for full layers): one rotary for all fails."""
-    m = tiny_model(family, seed=5)
+    m = tiny_model(family, seed=5, device=device)
     runner = Runner(m)
     ids = torch.randint(0, m.config.vocab_size, (30,), generator=torch.Generator().manual_seed(4))
     p, q = 3, 211

@@ -1,5 +1,6 @@
 """Tiny randomly initialised models of each supported family, built from a config."""
 
+import pytest
 import torch
 from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
                           MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
@@ -40,5 +41,11 @@ def tiny_hf(family: str, seed: int = 0, dtype=torch.float32, **overrides):
     return model
 
 
-def tiny_model(family: str, seed: int = 0, dtype=torch.float32, **overrides):
-    return from_hf(tiny_hf(family, seed, dtype, **overrides), name=f"tiny-{family}")
+def tiny_model(family: str, seed: int = 0, dtype=torch.float32, device="cpu", **overrides):
+    return from_hf(tiny_hf(family, seed, dtype, **overrides).to(device), name=f"tiny-{family}")
+
+
+# Tests parametrized over DEVICES run on the CPU everywhere and on CUDA where there is a GPU
+# (`pytest -m cuda` selects those).
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="no CUDA device")])]

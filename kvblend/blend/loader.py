@@ -36,6 +36,12 @@ class Step:
     after: int | None = None
 
 
+def writes_in_batches(cache: KVCache) -> bool:
+    """On a GPU, loading is bound by kernel launches rather than bytes: every moved chunk of a
+    layer goes in one batch there. On the CPU each is written straight into its rows (no copy)."""
+    return cache.k.is_cuda
+
+
 class ChunkLoader:
     """Writes cached KV (exact prefix blocks at every layer, re-encoded chunks at the layers
     `start` names) into the cache, in the order the passes ask for it."""
@@ -58,6 +64,10 @@ class ChunkLoader:
             delta = torch.arange(start, c.span[1]) - c.kv.positions[offset:]
             tables = runner.shift_tables(delta, dev) if bool((delta != 0).any()) else None
             self.parts.append((c.kv, offset, start, c.span[1], tables))
+        # A step's moved chunks are re-encoded and written as one batch where writes_in_batches:
+        # per batch, its rows' positions and concatenated rotation tables.
+        self.batched = writes_in_batches(cache)
+        self._batches: dict[tuple[int, ...], tuple[torch.Tensor, dict]] = {}
         self.steps: list[Step] = []
         self.compact_parts = 0  # chunks the probe reads from their compact copies
         self.next_step = 0  # steps below it are handed over
@@ -111,6 +121,11 @@ class ChunkLoader:
         """Write one step's reads, re-encoded, into the cache: straight into its rows, since a
         layer's rows are read only after load_layer hands that step over."""
         dev, layer = self.runner.device, step.layer
+        if self.batched:
+            moved = [(i, kv) for i, kv in read if not isinstance(kv, dict) and self.parts[i][4] is not None]
+            if len(moved) > 1:
+                self._write_batch(layer, moved)
+                read = [(i, kv) for i, kv in read if isinstance(kv, dict) or self.parts[i][4] is None]
         for i, kv in read:
             k, v = probe_copy.layer_kv(kv, self.cache.k.dtype) if isinstance(kv, dict) else kv
             _, offset, start, end, tables = self.parts[i]
@@ -120,6 +135,22 @@ class ChunkLoader:
             else:
                 self.runner.rerotate(layer, k[:, rows].to(dev), tables, out=self.cache.k[layer, :, start:end])
             self.cache.v[layer, :, start:end] = v[:, rows]
+
+    def _write_batch(self, layer: int, moved: list) -> None:
+        """Several moved chunks' K and V of one layer in one batch: concatenated, re-rotated at
+        once and written by index, a few kernels for them all."""
+        key = tuple(i for i, _ in moved)
+        if key not in self._batches:
+            parts = [self.parts[i] for i in key]
+            dest = torch.cat([torch.arange(start, end) for _, _, start, end, _ in parts]).to(self.runner.device)
+            tables = {rk: tuple(torch.cat([p[4][rk][j] for p in parts]) for j in (0, 1)) for rk in parts[0][4]}
+            self._batches[key] = dest, tables
+        dest, tables = self._batches[key]
+        spans = [(self.parts[i][1], self.parts[i][1] + self.parts[i][3] - self.parts[i][2]) for i in key]
+        k = torch.cat([kv[0][:, a:b] for (_, kv), (a, b) in zip(moved, spans)], dim=1).to(self.runner.device)
+        v = torch.cat([kv[1][:, a:b] for (_, kv), (a, b) in zip(moved, spans)], dim=1)
+        self.cache.k[layer][:, dest] = self.runner.rerotate(layer, k, tables)
+        self.cache.v[layer][:, dest] = v.to(self.runner.device)
 
     def _work(self) -> None:
         # One thread for the reader's small ops (this setting is per thread): a second OpenMP team
