@@ -130,8 +130,8 @@ class Settings(BaseSettings):
     # BlendConfig.probe_suffix_tokens and docs/experiments.md#the-probe.
     probe_suffix_tokens: int = Field(default=32, ge=0)
     # The selector scores attention^attention_power x deviation (0: deviation alone among the probe's
-    # check candidates). See BlendConfig.attention_power. None: the value measured for the model.
-    attention_power: float | None = Field(default=None, ge=0)
+    # check candidates). See BlendConfig.attention_power.
+    attention_power: float = Field(default=1.0, ge=0)
     chunk_context: Literal["bare", "bos", "prefix"] = "prefix"  # measured best: docs/experiments.md#chunk-context
     # When a collection is known (`kvblend store put`, `eval`, `demo`, LLM.store_documents), each of
     # its chunks is precomputed after its most similar other chunk (docs/experiments.md#chunk-context).

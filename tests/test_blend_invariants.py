@@ -342,13 +342,6 @@ def test_stale_key_scale_defaults_to_the_models_measured_value_and_a_setting_win
     assert make_engine(model="gemma3-270m", stale_key_scale=0.9).blend_cfg.stale_key_scale == 0.9
 
 
-def test_attention_power_defaults_to_the_models_measured_value_and_a_setting_wins():
-    assert make_engine(model="qwen2.5-coder-0.5b-instruct").blend_cfg.attention_power == 0.0
-    assert make_engine(model="/models/other").blend_cfg.attention_power == 1.0
-    assert make_engine().blend_cfg.attention_power == 1.0  # SmolLM2: 0 raised its KL on dev records
-    assert make_engine(model="qwen2.5-coder-0.5b-instruct", attention_power=0.5).blend_cfg.attention_power == 0.5
-
-
 def test_check_candidates_compute_the_layers_before_the_check_for_fewer_rows_exactly():
     engine = make_engine(stale_key_scale=0.5)
     cs = chunks(4, seed=7)

@@ -23,7 +23,7 @@ from ..blend.neighbours import NeighbourIndex
 from ..blend.plan import KeyScheme, Plan, block_bounds, make_plan
 from ..blend.segment import Segments, Span, segment, separator_ids
 from ..config import Settings
-from ..model.aliases import attention_power_for, stale_key_scale_for
+from ..model.aliases import stale_key_scale_for
 from ..model.loader import LoadedModel
 from ..model.rotary import check_rerotation
 from ..model.runner import Runner
@@ -93,8 +93,7 @@ class Engine:
                                      s.weight_by_attention, self._stale_key_scale(neighbours=False),
                                      s.probe_layers, s.check_candidates, s.probe_separators,
                                      s.probe_attention_from, s.probe_suffix_tokens, s.min_recompute_tokens,
-                                     attention_power_for(s.model) if s.attention_power is None else s.attention_power,
-                                     s.compact_probe)
+                                     s.attention_power, s.compact_probe)
         bos = getattr(self.tokenizer, "bos_token_id", None)
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
         # Models without a tokenizer (tests' tiny random models) name their separator ids.

