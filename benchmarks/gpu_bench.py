@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prefetch-depth", type=int, default=None,
                     help="layers of stored KV read ahead by a thread (the engine's prefetch_depth; 0: inline)")
     ap.add_argument("--cpu-paths", action="store_true",
-                    help="attention groups and chunk writes as on the CPU (what the GPU's own paths are measured against)")
+                    help="attention groups and chunk writes as on the CPU (what the GPU's own paths are "
+                         "measured against)")
     ap.add_argument("--out", type=Path, default=Path("results/gpu_bench.json"))
     args = ap.parse_args(argv)
     if args.cpu_paths:
@@ -275,9 +276,10 @@ def main(argv: list[str] | None = None) -> None:
         rows.append(row)
 
     print_table(rows, ratios, dtype, gpu or "cpu")
-    report = {"shape": args.shape, "cpu_paths": args.cpu_paths, "prefetch_depth": args.prefetch_depth, "config": SHAPES[args.shape][2], "device": str(device), "gpu": gpu,
+    report = {"shape": args.shape, "config": SHAPES[args.shape][2], "device": str(device), "gpu": gpu,
               "dtype": str(dtype).removeprefix("torch."), "torch": torch.__version__, "chunks": args.chunks,
-              "question": args.question, "repeats": args.repeats, "results": rows}
+              "question": args.question, "repeats": args.repeats, "cpu_paths": args.cpu_paths,
+              "prefetch_depth": args.prefetch_depth, "results": rows}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
     print(f"\nwrote {args.out}")
