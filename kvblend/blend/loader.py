@@ -65,9 +65,9 @@ class ChunkLoader:
             tables = runner.shift_tables(delta, dev) if bool((delta != 0).any()) else None
             self.parts.append((c.kv, offset, start, c.span[1], tables))
         # A step's moved chunks are re-encoded and written as one batch where writes_in_batches:
-        # per batch, its rows' positions and concatenated rotation tables.
+        # per batch, its rows' positions, concatenated rotation tables and each chunk's source rows.
         self.batched = writes_in_batches(cache)
-        self._batches: dict[tuple[int, ...], tuple[torch.Tensor, dict]] = {}
+        self._batches: dict[tuple[int, ...], tuple[torch.Tensor, dict, list]] = {}
         self.steps: list[Step] = []
         self.compact_parts = 0  # chunks the probe reads from their compact copies
         self.next_step = 0  # steps below it are handed over
@@ -140,13 +140,13 @@ class ChunkLoader:
         """Several moved chunks' K and V of one layer in one batch: concatenated, re-rotated at
         once and written by index, a few kernels for them all."""
         key = tuple(i for i, _ in moved)
-        if key not in self._batches:
+        if key not in self._batches:  # the same chunks move at every layer: built once
             parts = [self.parts[i] for i in key]
             dest = torch.cat([torch.arange(start, end) for _, _, start, end, _ in parts]).to(self.runner.device)
             tables = {rk: tuple(torch.cat([p[4][rk][j] for p in parts]) for j in (0, 1)) for rk in parts[0][4]}
-            self._batches[key] = dest, tables
-        dest, tables = self._batches[key]
-        spans = [(self.parts[i][1], self.parts[i][1] + self.parts[i][3] - self.parts[i][2]) for i in key]
+            spans = [(offset, offset + end - start) for _, offset, start, end, _ in parts]
+            self._batches[key] = dest, tables, spans
+        dest, tables, spans = self._batches[key]
         k = torch.cat([kv[0][:, a:b] for (_, kv), (a, b) in zip(moved, spans)], dim=1).to(self.runner.device)
         v = torch.cat([kv[1][:, a:b] for (_, kv), (a, b) in zip(moved, spans)], dim=1)
         self.cache.k[layer][:, dest] = self.runner.rerotate(layer, k, tables)

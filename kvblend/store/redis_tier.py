@@ -2,9 +2,10 @@
 
 Per entry, two Redis keys: `<prefix><key>:l`, a hash of one value per layer (that layer's K bytes
 then V bytes, fetched alone with HGET; `p<layer>` the compact copy's, where the entry has one),
-and `<prefix><key>:h`, the entry header (entry_format) as JSON. The header is written last, after every layer, so a half-written entry has no header
-and reads as a miss. Capacity is shared by every process using the same Redis and prefix: a
-sorted set orders entries by last use (LRU), a hash holds their sizes, a counter their sum.
+and `<prefix><key>:h`, the entry header (entry_format) as JSON. The header is written last,
+after every layer, so a half-written entry has no header and reads as a miss. Capacity is shared
+by every process using the same Redis and prefix: a sorted set orders entries by last use (LRU),
+a hash holds their sizes, a counter their sum.
 
 Redis being down is never an error for a request: the tier reads as empty and drops writes
 for `retry_s`, then tries again (redis-py reconnects by itself)."""
