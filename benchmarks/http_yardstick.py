@@ -3,9 +3,10 @@
 A tenant posts each record's passages to `POST /v1/chunks` (one request per record, in record
 order: they join the tenant's neighbour index as they arrive), then asks each record's question
 through `/v1/completions` with its passages in the record's order and shuffled (fixed seed), in
-mode full and blend. Full's greedy answer (`--answer-tokens`) is fed back teacher-forced
-(`kvblend.forced_tokens`) in blend, and the top-20 logprobs the server returns at the first
-`--tf-positions` positions are compared with full's:
+mode full and blend. Full prefill's greedy answer (`--answer-tokens`, from the in-process run, so
+both paths score the same text) is fed teacher-forced (`kvblend.forced_tokens`, which the server
+computes in one pass, as the harness does) in both modes, and the top-20 logprobs the server
+returns at the first `--tf-positions` positions are compared with full's:
 
 - kl_answer (top-20): KL(full || blend) over the tokens both sides list, the rest of the mass one
   bucket per side (eval.metrics.kl_listed): a lower bound of the exact KL;
@@ -102,11 +103,14 @@ def in_process(engine: Engine, records: list[RagRecord], args) -> list[dict]:
                 answer = greedy(engine, pre, len(ids), args.answer_tokens)
             out[mode] = (teacher_forced(engine, pre, len(ids), answer, args.tf_positions), ttft)
         (ref, full_ttft), (logits, blend_ttft) = out["full"], out["blend"]
-        listed = [kl_listed(top_logprobs(ref[i], TOP, answer[i]), top_logprobs(logits[i], TOP, answer[i]))
-                  for i in range(ref.shape[0])]
-        rows.append(dict(kl_exact=float(kl_divergence(ref, logits).mean()), kl_top20=statistics.mean(listed),
+        # As the server lists them, to score both paths alike and to check they computed the same.
+        ref_tops = [top_logprobs(ref[i], TOP, answer[i]) for i in range(ref.shape[0])]
+        tops = [top_logprobs(logits[i], TOP, answer[i]) for i in range(ref.shape[0])]
+        rows.append(dict(kl_exact=float(kl_divergence(ref, logits).mean()),
+                         kl_top20=statistics.mean(kl_listed(p, q) for p, q in zip(ref_tops, tops)),
                          top1_agree=float((ref.argmax(-1) == logits.argmax(-1)).float().mean()),
-                         ttft_full_s=full_ttft, ttft_blend_s=blend_ttft, answer=answer, positions=ref.shape[0]))
+                         ttft_full_s=full_ttft, ttft_blend_s=blend_ttft, answer=answer, positions=ref.shape[0],
+                         ref_tops=ref_tops, tops=tops))
     return rows
 
 
@@ -158,34 +162,29 @@ def _id(name: str) -> int:
     return int(name.removeprefix("token_id:"))
 
 
-def greedy_answer(tokens: list[int], eos_ids: set[int]) -> list[int]:
-    """The answer as harness.greedy has it: up to and with the first EOS."""
-    ends = [i for i, t in enumerate(tokens) if t in eos_ids]
-    return tokens[:ends[0] + 1] if ends else tokens
-
-
-def over_http(url: str, records: list[RagRecord], n_prompt: list[int], eos_ids: set[int], args, desc: str,
+def over_http(url: str, records: list[RagRecord], n_prompt: list[int], answers: list[list[int]], args, desc: str,
               fulls: list[dict] | None = None) -> tuple[list[dict], list[dict]]:
-    """Each prompt in full (greedy, decoding past EOS so its position is listed too) and blend (full's
-    answer forced); with `fulls`, full's replies to these prompts from another replica are used
+    """Each prompt in full and in blend, with full prefill's greedy answer from the in-process run
+    forced in both; with `fulls`, full's replies to these prompts from another replica are used
     (full prefill reads nothing stored: it is the same computation on any replica)."""
     rows, replies = [], []
     with client(url) as c:
-        for i, (record, n) in enumerate(tqdm(list(zip(records, n_prompt)), desc=desc, leave=False)):
-            full = fulls[i] if fulls else ask(c, record, "full", max_tokens=args.answer_tokens, ignore_eos=True)
+        for i, (record, n, answer) in enumerate(tqdm(list(zip(records, n_prompt, answers)), desc=desc, leave=False)):
+            forced = answer[:args.tf_positions]
+            full = fulls[i] if fulls else ask(c, record, "full", kvblend={"forced_tokens": forced})
             replies.append(full)
             if full["usage"]["prompt_tokens"] != n:
                 raise SystemExit(f"the server built a {full['usage']['prompt_tokens']}-token prompt, not {n}")
-            answer = greedy_answer(full["tokens"], eos_ids)
-            forced = answer[:args.tf_positions]
             blend = ask(c, record, "blend", kvblend={"forced_tokens": forced})
             if blend["usage"]["prompt_tokens"] != n:
                 raise SystemExit(f"the server built a {blend['usage']['prompt_tokens']}-token prompt, not {n}")
             ref_tops, tops = full["tops"][:len(forced)], blend["tops"]
             rows.append(dict(
                 kl_top20=statistics.mean(kl_listed(p, q) for p, q in zip(ref_tops, tops)),
-                top1_agree=statistics.mean(float(max(p, key=p.get) == max(q, key=q.get)) for p, q in zip(ref_tops, tops)),
+                top1_agree=statistics.mean(float(max(p, key=p.get) == max(q, key=q.get))
+                                           for p, q in zip(ref_tops, tops)),
                 ttft_full_s=full["ttft_s"], ttft_blend_s=blend["ttft_s"], answer=answer, positions=len(forced),
+                ref_tops=ref_tops, tops=tops,
                 chunk_hits=blend["kvblend"]["chunk_hits"], chunk_misses=blend["kvblend"]["chunk_misses"],
                 chunk_tiers=blend["kvblend"]["chunk_tiers"]))
     return rows, replies
@@ -200,9 +199,9 @@ def summary(path: str, rows: list[dict], reference: list[dict] | None) -> dict:
                kl_answer_top20=mean("kl_top20"), top1_agree=mean("top1_agree"), ttft_full_s=mean("ttft_full_s"),
                ttft_blend_s=mean("ttft_blend_s"), n=len(rows))
     out["speedup"] = out["ttft_full_s"] / out["ttft_blend_s"]
-    if reference is not None:  # the same prompt, the same weights: full's answer should be the same
-        out["full_answer_as_in_process"] = statistics.mean(float(r["answer"] == ref["answer"])
-                                                           for r, ref in zip(rows, reference))
+    if reference is not None:  # the same prompt, KV and answer: the same logprobs, bit for bit
+        same = lambda key: statistics.mean(float(r[key] == ref[key]) for r, ref in zip(rows, reference))  # noqa: E731
+        out["full_logprobs_as_in_process"], out["blend_logprobs_as_in_process"] = same("ref_tops"), same("tops")
         out["chunk_misses"] = sum(r["chunk_misses"] for r in rows)
     return out
 
@@ -257,7 +256,6 @@ def main() -> None:
         per, labels = {}, {}
         for order, rs in prompts_by_order.items():
             per[f"{IN_PROCESS[args.in_process_index]} {order}"] = in_process(here, rs, args)
-        eos_ids = set(here.eos_ids)
         meta = dict(model=here.settings.model, dtype=str(here.model.dtype).removeprefix("torch."),
                     cpu=cpu_name(), threads=torch.get_num_threads(), records=[args.offset, args.offset + len(records)],
                     data=args.data, seed=args.seed, answer_tokens=args.answer_tokens, tf_positions=args.tf_positions,
@@ -267,14 +265,16 @@ def main() -> None:
         here.close()
         del here
         if not args.in_process_only:
-            per_http, labels = through_servers(stack, engine, records, prompts_by_order, n_prompt, eos_ids, args)
+            answers = {order: [r["answer"] for r in per[f"{IN_PROCESS[args.in_process_index]} {order}"]]
+                       for order in prompts_by_order}
+            per_http, labels = through_servers(stack, engine, records, prompts_by_order, n_prompt, answers, args)
             per.update(per_http)
 
     finish(per, labels, meta, args)
 
 
 def through_servers(stack: ExitStack, engine, records: list[RagRecord], prompts_by_order: dict, n_prompt: dict,
-                    eos_ids: set[int], args) -> tuple[dict, dict]:
+                    answers: dict, args) -> tuple[dict, dict]:
     """The tenant posts to the first app and asks it; with --replicas 2, asks a second app too.
     Returns the rows per path and, per HTTP path, the in-process path it compares with."""
     per, labels = {}, {}
@@ -283,14 +283,15 @@ def through_servers(stack: ExitStack, engine, records: list[RagRecord], prompts_
     post_collection(url, records)
     fulls = {}
     for order, rs in prompts_by_order.items():
-        per[f"HTTP {order}"], fulls[order] = over_http(url, rs, n_prompt[order], eos_ids, args, f"HTTP {order}")
+        per[f"HTTP {order}"], fulls[order] = over_http(url, rs, n_prompt[order], answers[order], args,
+                                                       f"HTTP {order}")
         labels[f"HTTP {order}"] = f"{IN_PROCESS[args.in_process_index]} {order}"
     if args.replicas == 2:
         second = engine("replica-b", redis=True)
         url_b = stack.enter_context(serve(second, ServerConfig(model_name=MODEL_NAME, api_keys=[API_KEY])))
         for order, rs in prompts_by_order.items():
             # Full's reply (answer, logprobs, TTFT) is the first replica's: only blend reads the store.
-            per[f"HTTP replica {order}"], _ = over_http(url_b, rs, n_prompt[order], eos_ids, args,
+            per[f"HTTP replica {order}"], _ = over_http(url_b, rs, n_prompt[order], answers[order], args,
                                                         f"HTTP replica {order}", fulls[order])
             labels[f"HTTP replica {order}"] = f"{IN_PROCESS[args.in_process_index]} {order}"
     return per, labels
@@ -300,7 +301,8 @@ def finish(per: dict, labels: dict, meta: dict, args) -> None:
     rows = [summary(path, rs, per[labels[path]] if path in labels else None) for path, rs in per.items()]
     print_table(rows)
     result = {"meta": meta, "rows": rows,
-              "per_prompt": {path: [{k: r[k] for k in r if k != "answer"} for r in rs] for path, rs in per.items()}}
+              "per_prompt": {path: [{k: r[k] for k in r if k not in ("answer", "ref_tops", "tops")} for r in rs]
+                             for path, rs in per.items()}}
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))

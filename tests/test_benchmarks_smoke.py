@@ -96,6 +96,8 @@ def test_http_yardstick(tmp_path, tiny_data):
         assert row["n"] == 1 and 0 <= row["top1_agree"] <= 1 and row["kl_answer_top20"] >= 0
         if path.startswith("HTTP"):  # every passage was posted: blend hit them all, on either replica
             assert row["chunk_misses"] == 0 and row["kl_answer_exact"] is None
+            # The same answer forced in one pass over the same KV: in-process logprobs, bit for bit.
+            assert row["full_logprobs_as_in_process"] == row["blend_logprobs_as_in_process"] == 1.0
         else:  # the top-20 KL coarse-grains the exact one: never above it
             assert row["kl_answer_top20"] <= row["kl_answer_exact"] + 1e-6
 

@@ -6,7 +6,8 @@ then runs one decode step for every running request as one batch (Runner.decode:
 projections and MLP, attention per sequence). A full prefill longer than PREFILL_PIECE tokens runs
 one piece per step, so a long prompt does not stall the streams for its whole prefill (a blend
 plan runs in one step: it is short, which is the point). A stream's tokens do not depend on what
-else is running.
+else is running. A teacher-forced continuation (kvblend.forced_tokens) is computed in one pass
+right after its prefill and never joins the decode batch.
 
 Requests wait in a bounded queue (full: the handler answers 429). A cancelled request (its client
 went away, or a stop string ended it) leaves the batch at the next step and its KV is freed.
@@ -307,6 +308,26 @@ class Scheduler:
         self.running.append(seq)
         req.emit(Prefilled(metrics))
         self._after_token(seq)
+        if req.forced and seq in self.running:
+            self._force_rest(seq)
+
+    def _force_rest(self, seq: Sequence) -> None:
+        """Teacher forcing: the forced tokens after the first are known, so they are computed in one
+        pass, as more rows of the prompt (what the eval harness's teacher_forced does), not a decode
+        step each: the logprobs are then those of the in-process measurement, bit for bit."""
+        forced, n = seq.request.forced, len(seq.request.token_ids)
+        try:
+            with torch.inference_mode():
+                logits = self.engine.runner.forward(torch.tensor(forced[:-1]), torch.arange(n, n + len(forced) - 1),
+                                                    seq.cache, logit_rows=slice(None))
+        except Exception as e:
+            log.exception("forced continuation failed")
+            self._finish(seq, Failed(500, f"forced continuation failed: {type(e).__name__}: {e}"))
+            return
+        for row in logits:
+            seq.last = seq.picker(row)
+            seq.tokens.append(seq.last.id)
+            self._after_token(seq)
 
     def _decode_step(self) -> None:
         batch = list(self.running)
