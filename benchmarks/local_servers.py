@@ -3,6 +3,7 @@ and a throwaway redis-server (no persistence) for runs that need the shared tier
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -51,8 +52,10 @@ def redis_server() -> Iterator[str]:
     if shutil.which("redis-server") is None:
         raise SystemExit("redis-server is not installed (apt-get install redis-server)")
     port = free_port()
+    log = os.environ.get("KVBLEND_REDIS_LOG", "")  # its own log, to learn why it stopped
     proc = subprocess.Popen(["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                             "--appendonly", "no", "--logfile", log], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
     try:
         client = redis.Redis(port=port)
         for _ in range(250):
