@@ -96,10 +96,15 @@ def test_forced_continuation_scores_the_given_tokens(server):
 
 
 @pytest.mark.parametrize("mode", ["full", "blend"])
-def test_forced_logprobs_equal_the_in_process_teacher_forced_logits(server, mode):
-    """The server computes the forced tokens in one pass after the prompt, as the harness does: the
-    same distribution at every position, bit for bit (a decode step per token rounds otherwise)."""
+def test_forced_logprobs_equal_the_in_process_teacher_forced_logits(server, mode, monkeypatch):
+    """The server computes the forced tokens in one pass after the prompt, as the harness does, never
+    a decode step per token: the same distribution at every position. Equal to float32 rounding, not
+    bit for bit: the server's thread may split a reduction over other threads than the test's."""
     engine = server[1].state.engine
+    def no_decode(*args, **kwargs):  # a failed step: the request ends with a 500, the scheduler lives on
+        raise RuntimeError("a forced continuation took a decode step")
+
+    monkeypatch.setattr(engine.runner, "decode", no_decode)
     ns = f"tf-{mode}"
     assert http(server).post("/v1/chunks", json={"documents": DOCS, "system": SYSTEM, "namespace": ns}).status_code == 200
     here = tiny_engine()  # the same weights, its own store
@@ -118,11 +123,11 @@ def test_forced_logprobs_equal_the_in_process_teacher_forced_logits(server, mode
     lp = out["choices"][0]["logprobs"]
     assert len(lp["top_logprobs"]) == len(answer) == expected.shape[0]
     for pos, (token, logprob, top) in enumerate(zip(answer, lp["token_logprobs"], lp["top_logprobs"])):
-        want = torch.log_softmax(expected[pos].float(), -1)  # a row at a time, as the server takes them
-        assert logprob == float(want[token])
-        best = torch.topk(want, 20)
-        assert dict(zip(ids_of(list(top)), top.values())) == dict(zip(best.indices.tolist(), best.values.tolist()))
-    assert engine is not here
+        want = torch.log_softmax(expected[pos].float(), -1)
+        assert logprob == pytest.approx(float(want[token]), abs=1e-5)
+        listed = dict(zip(ids_of(list(top)), top.values()))
+        assert len(listed) == 20 and all(v == pytest.approx(float(want[i]), abs=1e-5) for i, v in listed.items())
+        assert min(listed.values()) >= float(torch.topk(want, 21).values[-1]) - 1e-5  # the 20 most likely
 
 
 VOCAB = 49152  # the default tokenizer's, which the tiny test model shares
