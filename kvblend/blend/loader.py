@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..model.runner import KVCache, Runner
+from ..model.threads import limit_this_thread
 from ..store import probe_copy
 from .plan import Plan
 
@@ -153,9 +154,9 @@ class ChunkLoader:
         self.cache.v[layer][:, dest] = v.to(self.runner.device)
 
     def _work(self) -> None:
-        # One thread for the reader's small ops (this setting is per thread): a second OpenMP team
-        # would fight the prefill's threads for the same cores.
-        torch.set_num_threads(1)
+        # One thread for the reader's small ops: a second OpenMP team would fight the prefill's
+        # threads for the same cores. Only this thread's count (torch.set_num_threads is global).
+        limit_this_thread(1)
         with torch.inference_mode():
             for step in self.steps:
                 if self._stop:
