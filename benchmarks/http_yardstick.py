@@ -22,6 +22,11 @@ full column is the first replica's reply: full prefill reads nothing stored).
 
     python benchmarks/http_yardstick.py --data ../shared/data/musique_s.dev.json --offset 0 --limit 30 \\
         --redis --replicas 2 --out results/http_yardstick.json
+
+Runs over consecutive record ranges (each its own tenant collection and Redis, so none holds all
+of a long run's KV) combine into one table, every prompt weighing the same:
+
+    python benchmarks/http_yardstick.py --merge results/a.json results/b.json --out results/all.json
 """
 
 from __future__ import annotations
@@ -236,6 +241,13 @@ def main() -> None:
                          "like); file: the whole data file in one addition, as kvblend eval indexes it")
     ap.add_argument("--in-process-only", action="store_true", help="no server: the in-process rows alone")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--merge", nargs="+", metavar="JSON", help="no run: combine these runs' tables")
+    merging = argparse.ArgumentParser(add_help=False)  # --merge needs none of the record flags
+    merging.add_argument("--merge", nargs="+")
+    merging.add_argument("--out")
+    known, _ = merging.parse_known_args()
+    if known.merge:
+        return merge(known.merge, known.out)
     args = ap.parse_args()
     if args.replicas == 2 and not args.redis:
         ap.error("--replicas 2 needs --redis (the replicas share nothing else)")
@@ -323,6 +335,28 @@ def finish(per: dict, labels: dict, meta: dict, args) -> None:
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+def merge(paths: list[str], out: str | None) -> None:
+    """One table from runs over other records: the per-prompt rows joined, the same-logprobs
+    shares weighted by each run's prompts."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    per = {path: [r for run in runs for r in run["per_prompt"][path]] for path in runs[0]["per_prompt"]}
+    rows = []
+    for path, rs in per.items():
+        row = summary(path, rs, None)
+        parts = [next(r for r in run["rows"] if r["path"] == path) for run in runs]
+        for key in ("full_logprobs_as_in_process", "blend_logprobs_as_in_process"):
+            if key in parts[0]:
+                row[key] = sum(p[key] * p["n"] for p in parts) / row["n"]
+        if "chunk_misses" in parts[0]:
+            row["chunk_misses"] = sum(p["chunk_misses"] for p in parts)
+        rows.append(row)
+    print_table(rows)
+    meta = {**runs[0]["meta"], "records": [run["meta"]["records"] for run in runs], "merged": paths}
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(json.dumps({"meta": meta, "rows": rows, "per_prompt": per}, indent=2))
 
 
 if __name__ == "__main__":

@@ -100,6 +100,15 @@ def test_http_yardstick(tmp_path, tiny_data):
             assert row["full_logprobs_as_in_process"] == row["blend_logprobs_as_in_process"] == 1.0
         else:  # the top-20 KL coarse-grains the exact one: never above it
             assert row["kl_answer_top20"] <= row["kl_answer_exact"] + 1e-6
+    # Runs over record ranges combine: here the run twice over, so every mean stays and n doubles.
+    both = tmp_path / "both.json"
+    run([bench("http_yardstick"), "--merge", str(out), str(out), "--out", str(both)], tmp_path)
+    merged = {r["path"]: r for r in json.loads(both.read_text())["rows"]}
+    assert list(merged) == list(rows)
+    for path, row in merged.items():
+        assert row["n"] == 2 and row["top1_agree"] == rows[path]["top1_agree"]
+        assert row["kl_answer_top20"] == pytest.approx(rows[path]["kl_answer_top20"])
+        assert row.get("full_logprobs_as_in_process") == rows[path].get("full_logprobs_as_in_process")
 
 
 def test_results_renderer_rebuilds_the_marked_tables_and_the_plots(tmp_path, tiny_data):
