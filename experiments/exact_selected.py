@@ -46,6 +46,16 @@ def suffix_logits(engine, ids, answer, cache, start):
                                  logit_rows=slice(len(ids) - start - 1, None))
 
 
+def score_against(engine, ids, answer, ref, start, scores: dict):
+    """A scorer: score(label, cache) appends (kl_answer, top1_agree) against full's `ref` logits
+    to scores[label]."""
+    def score(label, cache):
+        logits = suffix_logits(engine, ids, answer, cache, start)
+        scores.setdefault(label, []).append((float(kl_divergence(ref, logits).mean()),
+                                             float((logits.argmax(-1) == ref.argmax(-1)).float().mean())))
+    return score
+
+
 @torch.inference_mode()
 def make_exact(cache, full_cache, rows):
     """Rows take full prefill's KV at every layer, and no stale-key damping."""
@@ -66,13 +76,8 @@ def main() -> None:
     for i, record in enumerate(tqdm(records, desc="records")):
         ids = prompt_ids(engine, record)
         full, answer, ref = full_reference(engine, ids)
-        start = engine.segments(ids).suffix[0]
+        score = score_against(engine, ids, answer, ref, engine.segments(ids).suffix[0], scores)
         check = min(engine.blend_cfg.check_layers)
-
-        def score(label, cache):
-            logits = suffix_logits(engine, ids, answer, cache, start)
-            scores.setdefault(label, []).append((float(kl_divergence(ref, logits).mean()),
-                                                 float((logits.argmax(-1) == ref.argmax(-1)).float().mean())))
 
         _, reuse = engine.prefill(ids, "reuse", REFERENCE_CAPACITY)
         score("reuse", reuse.cache)

@@ -43,6 +43,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="the probe computes only the suffix's last this many tokens (default: 32; 0: all of it)")
     p.add_argument("--attention-power", type=float,
                    help="selector score = attention^p x deviation (default: 1; 0: deviation alone among the candidates)")
+    p.add_argument("--stale-key-shift", type=float,
+                   help="after the check, move stale keys by this share of their chunk's measured shift (default: 0)")
     p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
     p.add_argument("--neighbour-context", action=argparse.BooleanOptionalAction, default=None,
                    help="precompute each chunk of a known collection after its most similar chunk (default: on)")
@@ -93,6 +95,7 @@ def _settings(args):
                          probe_layers=args.probe_layers, check_candidates=args.check_candidates,
                          probe_separators=args.probe_separators, probe_attention_from=args.probe_attention_from,
                          probe_suffix_tokens=args.probe_suffix_tokens, attention_power=args.attention_power,
+                         stale_key_shift=args.stale_key_shift,
                          chunk_context=args.chunk_context,
                          neighbour_context=args.neighbour_context, neighbour_index=args.neighbour_index,
                          exact_first_chunk=args.exact_first_chunk, separator=args.separator,

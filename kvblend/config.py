@@ -132,6 +132,9 @@ class Settings(BaseSettings):
     # The selector scores attention^attention_power x deviation (0: deviation alone among the probe's
     # check candidates). See BlendConfig.attention_power.
     attention_power: float = Field(default=1.0, ge=0)
+    # After the check, stale keys move by this share of the shift their chunk's recomputed rows
+    # measure (0: off). See BlendConfig.stale_key_shift.
+    stale_key_shift: float = Field(default=0.0, ge=0, le=1)
     chunk_context: Literal["bare", "bos", "prefix"] = "prefix"  # measured best: docs/experiments.md#chunk-context
     # When a collection is known (`kvblend store put`, `eval`, `demo`, LLM.store_documents), each of
     # its chunks is precomputed after its most similar other chunk (docs/experiments.md#chunk-context).

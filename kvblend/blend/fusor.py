@@ -19,6 +19,7 @@ import torch
 
 from ..model.runner import KVCache, Rows, Runner
 from .loader import ChunkLoader
+from .key_shift import StaleKeyShift
 from .plan import Plan
 from .select import attend_with_mass, deviation, n_selected, top_tokens, weighted
 
@@ -70,6 +71,10 @@ class BlendConfig:
     # The probe reads the compact copy of chunks stored with one (disk, Redis entries): on a slow
     # tier it then finishes early and the full KV streams in behind it for the blend pass.
     compact_probe: bool = False
+    # After the check, each chunk's stale keys move by this share of the shift its recomputed rows
+    # measure (their fresh keys minus their stored ones, before the rotation; 0: off). See
+    # blend/key_shift.py and docs/experiments.md#qwen25-05b-where-blends-error-comes-from.
+    stale_key_shift: float = 0.0
 
     def __post_init__(self):
         if self.check_candidates and self.check_candidates < 1:
@@ -199,9 +204,10 @@ class StaleBias:
 
 def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, active: torch.Tensor,
                stale: StaleBias, selector: Selector | None = None, watch: torch.Tensor | None = None,
-               n_layers: int | None = None, mass_from: int = 0) -> Pass:
+               n_layers: int | None = None, mass_from: int = 0, key_shift: StaleKeyShift | None = None) -> Pass:
     """Every layer over the active rows, the loader supplying each layer's cached KV first (once
-    per prefill); the selector narrows the rows at its check layers. `watch` (a mask over the
+    per prefill); the selector narrows the rows at its check layers, after which `key_shift`
+    corrects the stale keys by what the recomputed rows measure. `watch` (a mask over the
     rows; no selector) sums the attention those rows pay each position, over the layers from
     `mass_from` on (the last layer always counts). A pass may stop early, after `n_layers` layers."""
     T = cache.length
@@ -213,12 +219,15 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
         head = Rows(rows.h[:0], active[:n_head], {})  # its query groups, built once for every layer
     computed = 0
     depth = runner.n_layers if n_layers is None else n_layers
+    stale_rows = None  # after a check: the reused positions it left stale
     for layer in range(depth):
         loader.load_layer(layer)
         q, k, v = runner.qkv(layer, rows)
         keep = selector.keep(layer, active, k, v, cache) if selector is not None else None
         written = active  # rows not written at this layer hold loaded (stale) chunk KV, or none
         if keep is None:
+            if stale_rows is not None:
+                key_shift.apply(layer, cache, active, k, stale_rows)
             cache.write(layer, active, k, v)
         else:
             if selector.check_layer_kv == "fresh":
@@ -228,6 +237,10 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
             if selector.check_layer_kv == "cached":
                 cache.write(layer, active, k, v)
                 written = active
+            if key_shift is not None:
+                left = stale.reused.clone()
+                left[active] = False
+                stale_rows = left.nonzero().squeeze(1)
         computed += active.numel()
         stale.set(layer, written)
         last = layer == depth - 1
@@ -333,7 +346,11 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
                                 cfg.check_candidates)
             stale.exact_below = 1  # layer 0's loaded KV is exact for the rows not computed there
         stats.checked_positions = active.tolist()
-        out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, stale, selector)
+        shift = None
+        if selector is not None and cfg.stale_key_shift:
+            shift = StaleKeyShift(runner, cfg.stale_key_shift, plan.chunk_index().to(dev))
+        out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, stale, selector,
+                         key_shift=shift)
     finally:
         loader.close()
     active = out.active

@@ -52,6 +52,15 @@ class Plan:
         mask[: self.prefix_hit] = False
         return mask
 
+    def chunk_index(self) -> torch.Tensor:
+        """Each row's chunk among the plan's chunks where it is reused (as reused_mask), else -1."""
+        index = torch.full((self.n_tokens,), -1, dtype=torch.long)
+        for i, c in enumerate(self.chunks):
+            if c.kv is not None:
+                index[c.span[0]:c.span[1]] = i
+        index[: self.prefix_hit] = -1
+        return index
+
     def separator_mask(self) -> torch.Tensor:
         """Rows of the separator tokens between segments: never part of a reused chunk."""
         mask = torch.zeros(self.n_tokens, dtype=torch.bool)

@@ -1,0 +1,130 @@
+"""Is the stale keys' error a shift shared by a chunk's rows, which the recomputed rows could measure?
+
+Per layer, chunk and KV head, the mean difference between full prefill's keys and the stored
+ones, taken before the rotation (so one vector stands for every row of the chunk), is added to
+the chunk's stale keys. Scored teacher-forced against full's greedy answer (the suffix and the
+answer rows computed fresh against each cache):
+- `oracle K`: the shift measured on every stale row from full prefill's keys (an upper bound);
+- `oracle K+V`: the same for the values too;
+- `measured K`: blend's own estimate, from the rows it recomputed in that chunk (their fresh keys
+  against their stored ones), at the layers after the check, times each of --shrink.
+
+    python experiments/key_drift.py --model qwen2.5-coder-0.5b-instruct \\
+        --data ../shared/data/hotpotqa_s.dev.json --offset 36 --limit 6 --ratios 0.08
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvblend.eval.harness import REFERENCE_CAPACITY, full_reference, prompt_ids
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from exact_selected import score_against  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
+from dev_records import add_record_flags, open_records  # noqa: E402
+
+
+def unrotated(runner, layer: int, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Keys [Hkv, n, d] at `positions`, rotated back to position 0 (fp32)."""
+    return runner.rotaries[runner.layer_rope[layer]].rerotate(k.float(), delta=-positions)
+
+
+@torch.inference_mode()
+def shift_keys(runner, cache, layers, span, stale: torch.Tensor, shift_of, values=None) -> None:
+    """Add shift_of(layer) [Hkv, d] (pre-rotation) to the stale rows of `span` at `layers`; with
+    `values`, add values(layer) [Hkv, d] to their V too."""
+    rows = torch.arange(*span)[stale[span[0]:span[1]]]
+    if rows.numel() == 0:
+        return
+    for layer in layers:
+        shift = shift_of(layer)
+        if shift is None:
+            continue
+        rot = runner.rotaries[runner.layer_rope[layer]]
+        moved = rot.rerotate(shift[:, None, :].expand(-1, rows.numel(), -1).contiguous(), delta=rows)
+        cache.k[layer][:, rows] = (cache.k[layer][:, rows].float() + moved).to(cache.k.dtype)
+        if values is not None:
+            cache.v[layer][:, rows] = (cache.v[layer][:, rows].float() + values(layer)[:, None, :]).to(cache.v.dtype)
+
+
+def mean_shift(runner, layer, k_to, k_from, rows):
+    if rows.numel() == 0:
+        return None
+    return (unrotated(runner, layer, k_to[layer][:, rows], rows)
+            - unrotated(runner, layer, k_from[layer][:, rows], rows)).mean(dim=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_record_flags(ap, limit=6)
+    ap.add_argument("--ratios", default="0.08")
+    ap.add_argument("--shrink", default="1", help="scales on the measured shift, comma-separated")
+    args = ap.parse_args()
+    engine, records = open_records(args)
+    runner, L = engine.runner, engine.runner.n_layers
+    ratios = [float(r) for r in args.ratios.split(",")]
+    shrinks = [float(x) for x in args.shrink.split(",")]
+    check = min(engine.blend_cfg.check_layers)
+    scores: dict[str, list] = {}
+    for record in tqdm(records, desc="records"):
+        ids = prompt_ids(engine, record)
+        full, answer, ref = full_reference(engine, ids)
+        segs = engine.segments(ids)
+        score = score_against(engine, ids, answer, ref, segs.suffix[0], scores)
+        fk, fv = full.cache.k, full.cache.v
+
+        def prefill(mode, r=0.0):
+            return engine.prefill(ids, mode, REFERENCE_CAPACITY,
+                                  blend_cfg=replace(engine.blend_cfg, ratios=[r]) if mode == "blend" else None)[1]
+
+        reuse = prefill("reuse")
+        reused = torch.zeros(len(ids), dtype=torch.bool)
+        for span in segs.chunks:
+            reused[span[0]:span[1]] = True
+        reused[: reuse.stats.prefix_hit_tokens] = False
+        score("reuse", reuse.cache)
+        for with_v in (False, True):
+            c = prefill("reuse")
+            for span in segs.chunks:
+                rows = torch.arange(*span)[reused[span[0]:span[1]]]
+                shift_keys(runner, c.cache, range(L), span, reused, lambda la: mean_shift(runner, la, fk, c.cache.k, rows),
+                           (lambda la: (fv[la][:, rows].float() - c.cache.v[la][:, rows].float()).mean(1)) if with_v else None)
+            score("reuse, oracle K+V" if with_v else "reuse, oracle K", c.cache)
+        for r in ratios:
+            blend = prefill("blend", r)
+            score(f"blend {r:g}", blend.cache)
+            stale = reused.clone()
+            stale[torch.tensor(blend.stats.recomputed_positions, dtype=torch.long)] = False
+            after = range(check + 1, L)
+            for label, measured, shrink in [("oracle K", False, 1.0)] + [(f"measured K x{x:g}", True, x) for x in shrinks]:
+                c = prefill("blend", r)
+                for span in segs.chunks:
+                    chunk = torch.zeros(len(ids), dtype=torch.bool)
+                    chunk[span[0]:span[1]] = True
+                    if measured:  # the chunk's recomputed rows: fresh keys against the stored ones
+                        rows = (chunk & reused & ~stale).nonzero().squeeze(1)
+                        of = lambda la, rows=rows, x=shrink: None if rows.numel() == 0 else x * mean_shift(  # noqa: E731
+                            runner, la, c.cache.k, reuse.cache.k, rows)
+                    else:
+                        rows = (chunk & stale).nonzero().squeeze(1)
+                        of = lambda la, rows=rows: mean_shift(runner, la, fk, c.cache.k, rows)  # noqa: E731
+                    shift_keys(runner, c.cache, after, span, stale, of)
+                score(f"blend {r:g}, {label}", c.cache)
+    print(f"\n{args.data}, records {args.offset}-{args.offset + len(records) - 1}, {engine.model.dtype}")
+    print("| variant | kl_answer | top1_agree | per record kl |\n| --- | --- | --- | --- |")
+    for label, s in scores.items():
+        print(f"| {label} | {statistics.mean(x[0] for x in s):.4f} | {statistics.mean(x[1] for x in s):.3f} "
+              f"| {' '.join(f'{x[0]:.3f}' for x in s)} |")
+
+
+if __name__ == "__main__":
+    main()

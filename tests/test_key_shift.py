@@ -1,0 +1,59 @@
+"""Stale keys moved by the shift their chunk's recomputed rows measure (blend/key_shift.py)."""
+
+import pytest
+import torch
+from test_blend_invariants import chunks, make_engine, prefill, prompt
+from tiny_models import FAMILIES
+
+from kvblend.blend.key_shift import StaleKeyShift
+from kvblend.model.rotary import apply_rope
+
+
+def rotated(runner, layer, k0, positions):
+    cos, sin = runner.rotaries[runner.layer_rope[layer]].cos_sin(positions, torch.float32)
+    return apply_rope(k0, cos.float(), sin.float())
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_shared_offset_in_the_stored_keys_is_taken_out(family):
+    """Stored keys off by one vector per chunk and head (before the rotation): the recomputed
+    rows measure it and the stale rows lose it, at their own positions, whatever the rotary."""
+    engine = make_engine(family, dtype="float32")
+    runner = engine.runner
+    H, d, T, layer = runner.n_kv_heads, runner.head_dim, 40, runner.n_layers - 1
+    chunk_of = torch.tensor([-1] * 4 + [0] * 18 + [-1] * 2 + [1] * 16)
+    exact = torch.randn(H, T, d)
+    offset = torch.randn(H, 2, d)[:, chunk_of.clamp(min=0)] * (chunk_of >= 0)[None, :, None]
+    stored = rotated(runner, layer, exact + offset, torch.arange(T))
+    cache = runner.new_cache(T)
+    cache.k[layer][:, :T] = stored
+    computed = torch.tensor([0, 1, 2, 3, 5, 9, 22, 23, 30])  # rows outside chunks measure nothing
+    stale = torch.tensor([p for p in range(T) if chunk_of[p] >= 0 and p not in computed.tolist()])
+    fresh = rotated(runner, layer, exact[:, computed], computed)
+    StaleKeyShift(runner, 1.0, chunk_of).apply(layer, cache, computed, fresh, stale)
+    torch.testing.assert_close(cache.k[layer][:, stale], rotated(runner, layer, exact[:, stale], stale),
+                               atol=1e-5, rtol=1e-5)
+    untouched = torch.tensor([p for p in range(T) if p not in stale.tolist()])
+    assert torch.equal(cache.k[layer][:, untouched], stored[:, untouched])
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_shift_keeps_the_exact_ends_and_acts_between(family):
+    """Every row recomputed: no stale key, blend still equals full. Ratio 0: no check, reuse. In
+    between it selects the same rows and moves keys only after the check."""
+    engine = make_engine(family, stale_key_shift=1.0)
+    cs = chunks(3, seed=4)
+    engine.precompute(prompt(cs))
+    ids = prompt(cs[::-1])
+    _, full = prefill(engine, ids, "full")
+    _, blend1 = prefill(engine, ids, "blend", ratios=[1.0])
+    torch.testing.assert_close(blend1.logits, full.logits, atol=1e-4, rtol=1e-4)
+    _, reuse = prefill(engine, ids, "reuse")
+    _, blend0 = prefill(engine, ids, "blend", ratios=[0.0])
+    assert torch.equal(reuse.logits, blend0.logits)
+    _, shifted = prefill(engine, ids, "blend", ratios=[0.3])
+    _, plain = prefill(engine, ids, "blend", ratios=[0.3], stale_key_shift=0.0)
+    assert shifted.stats.recomputed_positions == plain.stats.recomputed_positions
+    T, check = len(ids), max(engine.blend_cfg.check_layers)
+    assert torch.equal(shifted.cache.k[: check + 1, :, :T], plain.cache.k[: check + 1, :, :T])  # none before it
+    assert not torch.equal(shifted.cache.k[check + 1:, :, :T], plain.cache.k[check + 1:, :, :T])
