@@ -56,6 +56,14 @@ def score_against(engine, ids, answer, ref, start, scores: dict):
     return score
 
 
+def print_scores(args, engine, n_records: int, scores: dict) -> None:
+    print(f"\n{args.data}, records {args.offset}-{args.offset + n_records - 1}, {engine.model.dtype}")
+    print("| variant | kl_answer | top1_agree | per record kl |\n| --- | --- | --- | --- |")
+    for label, s in scores.items():
+        print(f"| {label} | {statistics.mean(x[0] for x in s):.4f} | {statistics.mean(x[1] for x in s):.3f} "
+              f"| {' '.join(f'{x[0]:.3f}' for x in s)} |")
+
+
 @torch.inference_mode()
 def make_exact(cache, full_cache, rows):
     """Rows take full prefill's KV at every layer, and no stale-key damping."""
@@ -97,11 +105,7 @@ def main() -> None:
             _, again = engine.prefill(ids, "reuse", REFERENCE_CAPACITY)
             make_exact(again.cache, full.cache, rows)
             score(f"reuse, blend {r:g}'s rows exact", again.cache)
-    print(f"\n{args.data}, records {args.offset}-{args.offset + len(records) - 1}, {engine.model.dtype}")
-    print("| variant | kl_answer | top1_agree | per record kl |\n| --- | --- | --- | --- |")
-    for label, s in scores.items():
-        print(f"| {label} | {statistics.mean(x[0] for x in s):.4f} | {statistics.mean(x[1] for x in s):.3f} "
-              f"| {' '.join(f'{x[0]:.3f}' for x in s)} |")
+    print_scores(args, engine, len(records), scores)
 
 
 if __name__ == "__main__":

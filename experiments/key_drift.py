@@ -16,7 +16,6 @@ answer rows computed fresh against each cache):
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -27,7 +26,7 @@ from tqdm import tqdm
 from kvblend.eval.harness import REFERENCE_CAPACITY, full_reference, prompt_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exact_selected import score_against  # noqa: E402
+from exact_selected import print_scores, score_against  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
 from dev_records import add_record_flags, open_records  # noqa: E402
@@ -119,11 +118,7 @@ def main() -> None:
                         of = lambda la, rows=rows: mean_shift(runner, la, fk, c.cache.k, rows)  # noqa: E731
                     shift_keys(runner, c.cache, after, span, stale, of)
                 score(f"blend {r:g}, {label}", c.cache)
-    print(f"\n{args.data}, records {args.offset}-{args.offset + len(records) - 1}, {engine.model.dtype}")
-    print("| variant | kl_answer | top1_agree | per record kl |\n| --- | --- | --- | --- |")
-    for label, s in scores.items():
-        print(f"| {label} | {statistics.mean(x[0] for x in s):.4f} | {statistics.mean(x[1] for x in s):.3f} "
-              f"| {' '.join(f'{x[0]:.3f}' for x in s)} |")
+    print_scores(args, engine, len(records), scores)
 
 
 if __name__ == "__main__":
