@@ -1,11 +1,14 @@
 """Stale keys moved by the shift their chunk's recomputed rows measure (blend/key_shift.py)."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_blend_invariants import chunks, make_engine, prefill, prompt
 from tiny_models import FAMILIES
 
 from kvblend.blend.key_shift import StaleKeyShift
+from kvblend.config import Settings
 from kvblend.model.rotary import apply_rope
 
 
@@ -57,3 +60,10 @@ def test_the_shift_keeps_the_exact_ends_and_acts_between(family):
     T, check = len(ids), max(engine.blend_cfg.check_layers)
     assert torch.equal(shifted.cache.k[: check + 1, :, :T], plain.cache.k[: check + 1, :, :T])  # none before it
     assert not torch.equal(shifted.cache.k[check + 1:, :, :T], plain.cache.k[check + 1:, :, :T])
+
+
+def test_a_shift_out_of_range_is_rejected():
+    with pytest.raises(ValueError, match="stale_key_shift"):
+        Settings(stale_key_shift=-0.5)
+    with pytest.raises(ValueError, match="stale_key_shift"):
+        replace(make_engine().blend_cfg, stale_key_shift=2.0)

@@ -91,6 +91,8 @@ class BlendConfig:
             raise ValueError(f"probe_suffix_tokens must be >= 0 (0: the whole suffix), got {self.probe_suffix_tokens}")
         if not 0 < self.stale_key_scale <= 1:
             raise ValueError(f"stale_key_scale must be in (0, 1], got {self.stale_key_scale}")
+        if not 0 <= self.stale_key_shift <= 1:
+            raise ValueError(f"stale_key_shift must be in [0, 1] (0: off), got {self.stale_key_shift}")
         if len(self.ratios) == 1 and len(self.check_layers) > 1:
             self.ratios = self.ratios * len(self.check_layers)
         if len(self.ratios) != len(self.check_layers):
