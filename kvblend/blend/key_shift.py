@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from ..model.rotary import apply_rope
 from ..model.runner import KVCache, Runner
 
 
@@ -21,15 +20,7 @@ class StaleKeyShift:
         """chunk_of [T]: each position's chunk (0, 1, ...), -1 outside the reused chunks."""
         self.runner, self.scale, self.chunk_of = runner, scale, chunk_of
         self.n_chunks = int(chunk_of.max()) + 1 if chunk_of.numel() else 0
-        self.tables: dict = {}  # rotary key -> (positions, cos, sin) of the stale rows
-
-    def _rope(self, layer: int, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        key = self.runner.layer_rope[layer]
-        cached = self.tables.get(key)
-        if cached is None or not torch.equal(cached[0], positions):
-            cos, sin = self.runner.rotaries[key].cos_sin(positions, torch.float32)
-            cached = self.tables[key] = (positions, cos.float(), sin.float())
-        return cached[1], cached[2]
+        self._stale, self._to_stale = None, None  # the stale positions and their rotations, built once
 
     def apply(self, layer: int, cache: KVCache, computed: torch.Tensor, k: torch.Tensor,
               stale: torch.Tensor) -> None:
@@ -39,18 +30,18 @@ class StaleKeyShift:
         measured = chunks >= 0
         if not bool(measured.any()) or stale.numel() == 0:
             return
-        rows = computed[measured]
-        cos, sin = self.runner.rotaries[self.runner.layer_rope[layer]].cos_sin(rows, torch.float32)
-        cos, sin = cos.float(), sin.float()
-        # Back to position 0: the inverse rotation, then the mean per chunk.
-        fresh = apply_rope(k[:, measured].float(), cos, -sin)
-        stored = apply_rope(cache.k[layer][:, rows].float(), cos, -sin)
+        runner, rows = self.runner, computed[measured]
+        # Back to position 0 (the loader's re-rotation, by minus each row's position), then the mean per chunk.
+        back = runner.shift_tables(-rows, rows.device)
+        fresh = runner.rerotate(layer, k[:, measured].float(), back)
+        stored = runner.rerotate(layer, cache.k[layer][:, rows].float(), back)
         H, _, d = fresh.shape
         sums = torch.zeros(H, self.n_chunks, d, device=fresh.device)
         sums.index_add_(1, chunks[measured], fresh - stored)
         counts = torch.bincount(chunks[measured], minlength=self.n_chunks).clamp(min=1)
         shift = self.scale * sums / counts[None, :, None]
         # A chunk no row of which was computed gets no shift (its sum is zero).
-        cos_s, sin_s = self._rope(layer, stale)
-        moved = apply_rope(shift[:, self.chunk_of[stale]], cos_s, sin_s)
+        if self._stale is not stale:
+            self._stale, self._to_stale = stale, runner.shift_tables(stale, stale.device)
+        moved = runner.rerotate(layer, shift[:, self.chunk_of[stale]], self._to_stale)
         cache.k[layer][:, stale] = (cache.k[layer][:, stale].float() + moved).to(cache.k.dtype)
