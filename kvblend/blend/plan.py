@@ -45,15 +45,10 @@ class Plan:
 
     def reused_mask(self) -> torch.Tensor:
         """Rows whose KV can come from a cached chunk (not from the exact prefix)."""
-        mask = torch.zeros(self.n_tokens, dtype=torch.bool)
-        for c in self.chunks:
-            if c.kv is not None:
-                mask[c.span[0]:c.span[1]] = True
-        mask[: self.prefix_hit] = False
-        return mask
+        return self.chunk_index() >= 0
 
     def chunk_index(self) -> torch.Tensor:
-        """Each row's chunk among the plan's chunks where it is reused (as reused_mask), else -1."""
+        """Each reused row's chunk among the plan's chunks (see reused_mask), else -1."""
         index = torch.full((self.n_tokens,), -1, dtype=torch.long)
         for i, c in enumerate(self.chunks):
             if c.kv is not None:
