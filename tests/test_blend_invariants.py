@@ -251,21 +251,28 @@ def test_prefix_mode_reuses_exact_prefix_and_matches_full():
     assert engine.plan(reordered, "prefix").prefix_hit == len(PREFIX) + len(SEP)  # order breaks the prefix
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_stale_key_scale_keeps_the_exact_ends(family):
-    """Damping stale keys touches only stale keys: with every row recomputed blend still equals
-    full prefill, and at ratio 0 it still equals reuse with the same damping."""
-    engine = make_engine(family, stale_key_scale=0.5)
+def assert_exact_ends(engine):
+    """Blend with every row recomputed equals full prefill; at ratio 0 it equals reuse. On three
+    chunks reversed; returns the prompt, blend at ratio 1 and reuse."""
     cs = chunks(3, seed=4)
     engine.precompute(prompt(cs))
     ids = prompt(cs[::-1])
     _, full = prefill(engine, ids, "full")
     _, blend1 = prefill(engine, ids, "blend", ratios=[1.0])
     torch.testing.assert_close(blend1.logits, full.logits, atol=1e-4, rtol=1e-4)
-    assert all(b is None for b in blend1.cache.key_bias)
     _, reuse = prefill(engine, ids, "reuse")
     _, blend0 = prefill(engine, ids, "blend", ratios=[0.0])
     assert torch.equal(reuse.logits, blend0.logits)
+    return ids, blend1, reuse
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_stale_key_scale_keeps_the_exact_ends(family):
+    """Damping stale keys touches only stale keys: with every row recomputed blend still equals
+    full prefill, and at ratio 0 it still equals reuse with the same damping."""
+    engine = make_engine(family, stale_key_scale=0.5)
+    ids, blend1, reuse = assert_exact_ends(engine)
+    assert all(b is None for b in blend1.cache.key_bias)
     _, exact = prefill(engine, ids, "reuse", stale_key_scale=1.0)
     assert not torch.allclose(reuse.logits, exact.logits, atol=1e-4)  # the damping acts
 

@@ -101,6 +101,7 @@ def test_forced_logprobs_equal_the_in_process_teacher_forced_logits(server, mode
     a decode step per token: the same distribution at every position. Equal to float32 rounding, not
     bit for bit: the server's thread may split a reduction over other threads than the test's."""
     engine = server[1].state.engine
+
     def no_decode(*args, **kwargs):  # a failed step: the request ends with a 500, the scheduler lives on
         raise RuntimeError("a forced continuation took a decode step")
 
@@ -128,6 +129,7 @@ def test_forced_logprobs_equal_the_in_process_teacher_forced_logits(server, mode
         listed = dict(zip(ids_of(list(top)), top.values()))
         assert len(listed) == 20 and all(v == pytest.approx(float(want[i]), abs=1e-5) for i, v in listed.items())
         assert min(listed.values()) >= float(torch.topk(want, 21).values[-1]) - 1e-5  # the 20 most likely
+    assert engine is not here
 
 
 VOCAB = 49152  # the default tokenizer's, which the tiny test model shares
