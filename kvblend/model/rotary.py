@@ -61,14 +61,18 @@ class Rotary:
         """Rotate k [..., n, d] by delta [n] positions (or by a `shift_table`), in fp32; into `out`
         (which must not overlap k) where given."""
         cos, sin = table if table is not None else self.shift_table(delta, k.device)
-        if out is None or k.dtype != torch.float32 or out.dtype != torch.float32:
-            kf = k.float()
-            moved = (kf * cos + rotate_half(kf) * sin).to(k.dtype)
-            return moved if out is None else out.copy_(moved)
-        # fp32 into a cache view: each half written once, no temporaries (loading is memory-bound).
-        # cos and sin repeat over the two halves (Rotary.shift_table).
+        # cos and sin repeat over the two halves (Rotary.shift_table): each half of the result is
+        # two products, as apply_rope's x * cos + rotate_half(x) * sin gives it, bit for bit.
         half = k.shape[-1] // 2
         c, s = cos[..., :half], sin[..., :half]
+        if out is None or k.dtype != torch.float32 or out.dtype != torch.float32:
+            kf = k.float()
+            k1, k2 = kf[..., :half], kf[..., half:]
+            moved = out if out is not None else torch.empty_like(k)
+            moved[..., :half] = k1 * c - k2 * s
+            moved[..., half:] = k2 * c + k1 * s
+            return moved
+        # fp32 into a cache view: each half written once, no temporaries (loading is memory-bound).
         k1, k2, o1, o2 = k[..., :half], k[..., half:], out[..., :half], out[..., half:]
         torch.mul(k1, c, out=o1).addcmul_(k2, s, value=-1)
         torch.mul(k2, c, out=o2).addcmul_(k1, s)
