@@ -1,8 +1,9 @@
 """TTFT and quality of `blend` with chunk KV read from each storage tier (memory, disk, Redis, and a
 disk throttled to set bandwidths), with the default schedule (every layer read ahead from the
 moment the request is planned), with the probe reading the entries' compact copies
-(compact_probe), with the former read-ahead (two layers ahead), and with the loading controller. One run, the same prompts for every configuration, interleaved per prompt so that
-load on the machine falls on all of them alike.
+(compact_probe), with the former read-ahead (two layers ahead), and with the loading controller.
+One run, the same prompts for every configuration, interleaved per prompt in an order shuffled
+per prompt, so that load on the machine and a run's place in the sequence fall on all alike.
 
 Each prompt's chunks are precomputed once (untimed) and copied into every tier; disk reads are
 cold (the entry files' pages are dropped from the page cache with posix_fadvise before each
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -171,7 +173,9 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
             plan = mem.plan(ids, "blend")
             stored_bytes.append(sum(c.kv.nbytes for c in plan.chunks if c.kv is not None)
                                 / max(1, sum(c.span[1] - c.span[0] for c in plan.chunks if c.kv is not None)))
-            for c in configs:
+            # A new order for each prompt (seeded: the run repeats): a configuration's place in
+            # the sequence (right after memory's run, say) then falls on every one alike.
+            for c in random.Random(i).sample(configs, len(configs)):
                 e = engine_of(c)
                 e.prefetch_depth = FORMER_DEPTH if c.former else e.runner.n_layers
                 if i == 0 and id(e) not in warm:  # one-time costs, and the controller's first measurements
