@@ -4,7 +4,7 @@ import pytest
 import torch
 from tiny_models import DEVICES, FAMILIES, tiny_model
 
-from kvblend.model.rotary import check_rerotation
+from kvblend.model.rotary import apply_rope, check_rerotation
 from kvblend.model.runner import Runner
 
 
@@ -97,6 +97,8 @@ def test_rerotation_into_a_half_precision_cache_rounds_once(dtype):
     torch.testing.assert_close(into.float(), exact, atol=1e-3, rtol=torch.finfo(dtype).eps)
     # and the path without `out` rounds the same rotation
     torch.testing.assert_close(into, rot.rerotate(k, delta), atol=1e-3, rtol=torch.finfo(dtype).eps)
+    # bit for bit the rotary formula in fp32, rounded once
+    assert torch.equal(into, apply_rope(k.float(), *rot.shift_table(delta)).to(dtype))
 
 
 def test_sliding_window_layers_read_only_their_window():
