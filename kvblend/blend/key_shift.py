@@ -20,26 +20,33 @@ class StaleKeyShift:
         """chunk_of [T]: each position's chunk (0, 1, ...), -1 outside the reused chunks."""
         self.runner, self.scale, self.chunk_of = runner, scale, chunk_of
         self.n_chunks = int(chunk_of.max()) + 1 if chunk_of.numel() else 0
-        self._stale, self._to_stale = None, None  # the stale positions and their rotations, built once
+        # The rows a check leaves are the same at every later layer: what depends on them alone
+        # (their chunks and counts, their rotations back to position 0, the stale rows') is built once.
+        self._computed = self._measured = None
+        self._stale, self._to_stale = None, None
 
     def apply(self, layer: int, cache: KVCache, computed: torch.Tensor, k: torch.Tensor,
               stale: torch.Tensor) -> None:
         """Before `computed` rows' fresh keys k [Hkv, n, d] overwrite their stored ones at `layer`:
         shift the `stale` positions' keys by their chunk's measured shift."""
-        chunks = self.chunk_of[computed]
-        measured = chunks >= 0
-        if not bool(measured.any()) or stale.numel() == 0:
+        if self._computed is not computed:
+            chunks = self.chunk_of[computed]
+            measured = chunks >= 0
+            rows = computed[measured]
+            # Back to position 0: the loader's re-rotation, by minus each row's position.
+            self._computed = computed
+            counts = torch.bincount(chunks[measured], minlength=self.n_chunks).clamp(min=1)
+            self._measured = measured, rows, chunks[measured], counts, self.runner.shift_tables(-rows, rows.device)
+        measured, rows, chunks, counts, back = self._measured
+        if rows.numel() == 0 or stale.numel() == 0:
             return
-        runner, rows = self.runner, computed[measured]
-        # Back to position 0 (the loader's re-rotation, by minus each row's position), then the mean per chunk.
-        back = runner.shift_tables(-rows, rows.device)
+        runner = self.runner
         fresh = runner.rerotate(layer, k[:, measured].float(), back)
         stored = runner.rerotate(layer, cache.k[layer][:, rows].float(), back)
         H, _, d = fresh.shape
         sums = torch.zeros(H, self.n_chunks, d, device=fresh.device)
-        sums.index_add_(1, chunks[measured], fresh - stored)
-        counts = torch.bincount(chunks[measured], minlength=self.n_chunks).clamp(min=1)
-        shift = self.scale * sums / counts[None, :, None]
+        sums.index_add_(1, chunks, fresh - stored)
+        shift = self.scale * sums / counts[None, :, None]  # the mean per chunk
         # A chunk no row of which was computed gets no shift (its sum is zero).
         if self._stale is not stale:
             self._stale, self._to_stale = stale, runner.shift_tables(stale, stale.device)
