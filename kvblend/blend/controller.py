@@ -6,7 +6,9 @@ none; with compact_probe, in full, those the probe read compact). One background
 streams them back to back from the moment the request is planned; each pass's layer starts when
 the one before it is done and its KV has arrived. The controller plays that schedule out layer
 by layer, from each tier's measured read bandwidth (store.tier.Meter) and the measured compute
-speed in (layer, row) pairs a second, and chooses:
+speed in (layer, row) pairs a second. Where the plain schedule (the configured ratio, the probe
+over the full KV) would wait for reads less than ACT_WAIT of the prefill, it changes nothing, so
+memory and fast tiers give the output of the controller off, bit for bit. Elsewhere it chooses:
 
 - which chunks to recompute instead of read: the slowest tier's first, while that makes the
   estimated time to first token shorter (reading them costs more than computing their rows);
@@ -129,6 +131,10 @@ class LoadingController:
     # The compact copies are read where the model expects them to shorten the prefill by more
     # than this share: decoding them takes CPU from the prefill that the model does not count.
     COMPACT_GAIN = 0.05
+    # Where the plain schedule (the floor ratio, the probe over the full KV) is expected to wait
+    # for reads less than this share of the prefill, nothing changes: a fast tier then gives what
+    # the controller off gives, bit for bit, and a noisy bandwidth estimate cannot flip it.
+    ACT_WAIT = 0.05
 
     def __init__(self, store):
         self.store = store
@@ -171,26 +177,30 @@ class LoadingController:
         floor = cfg.ratios[0]
         speed, reads = self.compute.rate, self._reads(plan)
         chunks = plan.read_chunks()
+        plain = replace(cfg, compact_probe=False)
         if speed is None or reads is None or not chunks or not any(cfg.ratios):
-            return cfg, Decision(floor, floor, reason="not measured yet" if chunks else "nothing to read",
-                                 compact=cfg.compact_probe)
+            return plain, Decision(floor, floor, reason="not measured yet" if chunks else "nothing to read")
         n_layers, pair_s = chunks[0].kv.n_layers, 1.0 / speed
+        self.decisions += 1
+        ttft, wait, _ = play(work(plan, plain, floor, n_layers), reads, pair_s)
+        if wait <= self.ACT_WAIT * ttft:  # the plain schedule: the floor ratio, the probe over full KV
+            w = work(plan, plain, floor, n_layers)
+            return plain, Decision(floor, floor, 0, reads.full, w.blend_rows[-1] * pair_s, ttft, wait,
+                                   "compute-bound: loading hides behind compute")
         if cfg.compact_probe and reads.compact < reads.full:
             # Read the copies only where that saves more than their decoding costs (CPU the model
             # does not see): where a probe over the full KV would wait for its reads.
-            full = replace(cfg, compact_probe=False)
-            with_full, with_copies = (play(work(plan, c, floor, n_layers), reads, pair_s) for c in (full, cfg))
-            if with_copies[0] > (1 - self.COMPACT_GAIN) * with_full[0]:
-                cfg = full
+            with_copies = play(work(plan, cfg, floor, n_layers), reads, pair_s)
+            if with_copies[0] > (1 - self.COMPACT_GAIN) * ttft:
+                cfg = plain
         else:
-            cfg = replace(cfg, compact_probe=False)
+            cfg = plain
 
         def estimate(ratio: float) -> tuple[float, float, float]:
             return play(work(plan, cfg, ratio, n_layers), reads, pair_s)
 
         w = work(plan, cfg, floor, n_layers)
         first_read = reads.compact if w.compact else reads.full  # nothing hides the first layer's read
-        self.decisions += 1
         remeasure = self.decisions % self.REMEASURE_EVERY == 0
         best, wait, _ = estimate(floor)
         waits = wait > first_read * (1 + 1e-9)
