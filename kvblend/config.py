@@ -180,16 +180,25 @@ class Settings(BaseSettings):
     # Disk and Redis entries of chunks also hold a compact int4 copy of their KV (about 28% more
     # bytes at bf16) that only blend's attention probe reads: on a slow tier (a few hundred MB/s
     # or less) the probe then finishes early while the full KV streams in behind it for the blend
-    # pass. Decoding the copy costs CPU that a fast tier does not win back, hence off by default;
-    # chunks in memory are always probed in full (docs/storage.md#compact-probe).
-    compact_probe: bool = False
+    # pass. "auto": stored, and read where the loading controller expects it to pay (with the
+    # controller off, never); true: read by every probe (decoding costs CPU that a fast tier does
+    # not win back); false: not stored. Chunks in memory are always probed in full
+    # (docs/storage.md#compact-probe).
+    compact_probe: bool | Literal["auto"] = "auto"
     # Plan each request's reads against its compute (probe and blend pass, from measured tier
-    # bandwidth and compute speed): raise the recompute ratio above recompute_ratios (a floor) where
-    # the extra rows fill waits for reads, recompute chunks whose read costs more, read from the
-    # fastest tier. Off by default: its choices follow timings, so outputs then depend on the
-    # machine's load. Each decision is in the request's metrics; one that dropped no chunk replays
-    # exactly with recompute_ratios set to its ratio.
-    loading_controller: bool = False
+    # bandwidth and compute speed) where they would make the prefill wait: read the compact copies
+    # for the probe, raise the recompute ratio above recompute_ratios (a floor) where the extra rows
+    # fill waits for reads, recompute chunks whose read costs more, read from the fastest tier.
+    # Where the plain schedule would wait under 5% of the prefill (memory, a local disk, Redis on
+    # the same machine) it changes nothing, so those give what it gives off, bit for bit. Each
+    # decision is in the request's metrics; one that dropped no chunk replays exactly with
+    # recompute_ratios and compact_probe set to it (docs/storage.md#loading-controller).
+    loading_controller: bool = True
+
+    def probe_reads_copies(self) -> bool:
+        """Whether blend's probe may read the compact copies: always (true), or where the loading
+        controller chooses to ("auto", which it then decides per request)."""
+        return self.compact_probe is True or (self.compact_probe == "auto" and self.loading_controller)
 
     def neighbour_index_path(self) -> Path | None:
         """The file of this namespace's neighbour index (Redis, when configured, keeps it too)."""

@@ -44,7 +44,9 @@ def tiny_engine(**settings) -> Engine:
     loaded.tokenizer = tok
     # No minimum recompute budget: these few-hundred-token prompts test reuse, and the floor would
     # recompute every reused token of them; the ratio alone sets the budget, as on long prompts.
-    return Engine(loaded, Settings(**{"dtype": "float32", "device": "cpu", "min_recompute_tokens": 0, **settings}))
+    # No loading controller: on a tiny model its choices would follow timings.
+    return Engine(loaded, Settings(**{"dtype": "float32", "device": "cpu", "min_recompute_tokens": 0,
+                                      "loading_controller": False, **settings}))
 
 
 @contextmanager

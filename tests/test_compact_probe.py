@@ -14,6 +14,7 @@ from safetensors.torch import save_file
 from test_store_engine import ASKED, STORED, make_engine, same_output, stored_engine
 
 from kvblend.cli import main
+from kvblend.config import Settings
 from kvblend.store import probe_copy
 from kvblend.store.entry_format import BadEntry, entry_checksum, layer_digest
 from kvblend.store.tier import StoredEntry
@@ -56,9 +57,21 @@ def test_chunks_are_stored_with_a_copy_that_decodes_close_to_their_kv(stored):
             assert float((full - compact).abs().max()) <= float(full.abs().max()) / 14 + 1e-6
 
 
-def test_by_default_nothing_extra_is_stored(tmp_path):
-    engine = stored_engine("disk", tmp_path)
-    assert not any(c.kv.has_probe_copy for c in engine.plan(ASKED, "blend").chunks)
+def test_by_default_copies_are_stored_and_read_only_on_the_controllers_word(tmp_path, monkeypatch):
+    """compact_probe "auto": the copies are stored; with the loading controller off the probe
+    never reads them, so the output is the plain path's; false stores none."""
+    assert Settings().compact_probe == "auto" and Settings().probe_reads_copies()
+    assert not Settings(loading_controller=False).probe_reads_copies()
+    monkeypatch.setenv("KVBLEND_COMPACT_PROBE", "false")
+    assert Settings().compact_probe is False and not Settings().probe_reads_copies()
+    engine = stored_engine("disk", tmp_path / "auto", compact_probe="auto", loading_controller=False)
+    assert all(c.kv.has_probe_copy for c in engine.plan(ASKED, "blend").chunks)
+    plain = stored_engine("disk", tmp_path / "off", compact_probe=False, loading_controller=False)
+    assert not any(c.kv.has_probe_copy for c in plain.plan(ASKED, "blend").chunks)
+    _, out = engine.prefill(ASKED, "blend")
+    _, ref = plain.prefill(ASKED, "blend")
+    assert out.stats.compact_chunks == 0
+    same_output(out, ref)
 
 
 def test_the_probe_reads_copies_and_the_blend_pass_reads_each_layer_once_in_full(tmp_path, monkeypatch):

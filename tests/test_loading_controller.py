@@ -9,9 +9,10 @@ from dataclasses import replace
 import pytest
 import torch
 from redis_server import redis_server  # noqa: F401  (fixture)
-from test_store_engine import ASKED, STORED, make_engine, stored_engine
+from test_store_engine import ASKED, STORED, make_engine, same_output, stored_engine
 
 from kvblend.blend.controller import LayerReads, LoadingController, Work, play, work
+from kvblend.config import Settings
 from kvblend.engine.sampler import SamplingParams
 from kvblend.store.throttle import Throttled
 
@@ -186,11 +187,37 @@ def test_reads_come_from_the_fastest_tier(tmp_path, redis_server):
     assert tiers == ["disk", "redis", "redis"]  # disk measured slow, Redis measured, then Redis
 
 
-def test_controller_off_by_default():
-    engine = make_engine()
-    assert engine.controller is None and not engine.store.pick_by_bandwidth
-    engine.precompute(STORED)
-    assert engine.generate(ASKED, SamplingParams(max_tokens=1)).metrics.controller is None
+def test_controller_on_by_default_and_a_fast_tier_gives_what_it_gives_off(tmp_path):
+    """On by default, with the copies stored: where reads hide behind compute it reads in full at
+    the floor ratio, so the output is the controller-off engine's, bit for bit."""
+    assert Settings().loading_controller and Settings().compact_probe == "auto"
+    engine = stored_engine("disk", tmp_path / "on", loading_controller=True, compact_probe="auto")
+    off = stored_engine("disk", tmp_path / "off", loading_controller=False, compact_probe=False)
+    assert engine.controller is not None and engine.store.pick_by_bandwidth and engine.blend_cfg.compact_probe
+    _, ref = off.prefill(ASKED, "blend")
+    for _ in range(2):
+        engine.store.tier("disk").meter.rate, engine.controller.compute.rate = 1e12, 1e4
+        _, out = engine.prefill(ASKED, "blend")
+        d = out.stats.controller
+        assert d["ratio"] == FLOOR and not d["compact"] and d["reason"].startswith("compute-bound")
+        assert out.stats.compact_chunks == 0
+        same_output(out, ref)
+
+
+def test_waits_under_a_twentieth_of_the_prefill_change_nothing(tmp_path, monkeypatch):
+    """A tier slow enough for the extra rows to fill some waits: the controller raises the ratio
+    only where the plain schedule's expected wait passes ACT_WAIT of its prefill."""
+    engine, disk, ctl = disk_engine(tmp_path, weight_by_attention=False)
+    plan = engine.plan(ASKED, "blend")
+    must, reused = counts(plan)
+    layer_bytes = sum(c.kv.meta.layer_nbytes for c in plan.chunks) + sum(kv.meta.layer_nbytes for _, kv in plan.prefix_blocks)
+    ctl.compute.rate = 1e4
+    disk.meter.rate = layer_bytes * ctl.compute.rate / (must + 0.6 * reused)
+    _, d = ctl.decide(plan, engine.blend_cfg)
+    assert d.ratio > FLOOR
+    monkeypatch.setattr(LoadingController, "ACT_WAIT", 1.0)
+    cfg, d = ctl.decide(engine.plan(ASKED, "blend"), engine.blend_cfg)
+    assert d.ratio == FLOOR and cfg.ratios == [FLOOR] and not cfg.compact_probe and "compute-bound" in d.reason
 
 
 def test_exact_output_once_decided(tmp_path):

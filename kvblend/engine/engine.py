@@ -93,7 +93,7 @@ class Engine:
                                      s.weight_by_attention, self._stale_key_scale(neighbours=False),
                                      s.probe_layers, s.check_candidates, s.probe_separators,
                                      s.probe_attention_from, s.probe_suffix_tokens, s.min_recompute_tokens,
-                                     s.attention_power, s.compact_probe, s.stale_key_shift)
+                                     s.attention_power, s.probe_reads_copies(), s.stale_key_shift)
         bos = getattr(self.tokenizer, "bos_token_id", None)
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
         # Models without a tokenizer (tests' tiny random models) name their separator ids.
@@ -321,7 +321,7 @@ class Engine:
 
     def _store_chunk(self, key: str, kv: ChunkKV) -> None:
         """Chunk KV (never prefix blocks) may be stored as int8 and with the probe's compact copy."""
-        kv.probe_copy = self.settings.compact_probe
+        kv.probe_copy = self.settings.compact_probe is not False
         self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
 
     def _encode(self, todo: dict[str, list[int]], context: list[int],
