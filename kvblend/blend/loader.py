@@ -128,7 +128,8 @@ class ChunkLoader:
                 self._write_batch(layer, moved)
                 read = [(i, kv) for i, kv in read if isinstance(kv, dict) or self.parts[i][4] is None]
         for i, kv in read:
-            k, v = probe_copy.layer_kv(kv, self.cache.k.dtype) if isinstance(kv, dict) else kv
+            # A compact copy decodes to fp32: re-rotation computes in fp32, writing casts once.
+            k, v = probe_copy.layer_kv(kv, torch.float32) if isinstance(kv, dict) else kv
             _, offset, start, end, tables = self.parts[i]
             rows = slice(offset, offset + end - start)
             if tables is None:

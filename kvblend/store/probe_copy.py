@@ -42,10 +42,15 @@ def encode(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode(packed: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Computed in fp32 (the loader asks for fp32: the rotation after it computes in fp32) in one
+    buffer, in place: decoding is memory-bound, and it runs on the probe's thread."""
     H, n, half = packed.shape
-    q = torch.stack([packed & 15, packed >> 4], dim=-1).reshape(H, n, 2 * half).float() - 8
     g = 2 * half // scale.shape[-1]
-    return (q.reshape(H, n, -1, g) * scale.float().unsqueeze(-1)).reshape(H, n, 2 * half).to(dtype)
+    q = torch.empty(H, n, half, 2, dtype=torch.float32, device=packed.device)
+    q[..., 0] = packed & 15
+    q[..., 1] = packed >> 4
+    q = q.view(H, n, -1, g).sub_(8).mul_(scale.float().unsqueeze(-1))
+    return q.view(H, n, 2 * half).to(dtype)
 
 
 def layer_parts(k: torch.Tensor, v: torch.Tensor) -> dict[str, torch.Tensor]:
