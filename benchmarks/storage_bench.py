@@ -1,9 +1,11 @@
 """TTFT and quality of `blend` with chunk KV read from each storage tier (memory, disk, Redis, and a
-disk throttled to set bandwidths), with the default schedule (every layer read ahead from the
-moment the request is planned), with the probe reading the entries' compact copies
-(compact_probe), with the former read-ahead (two layers ahead), and with the loading controller.
-One run, the same prompts for every configuration, interleaved per prompt in an order shuffled
-per prompt, so that load on the machine and a run's place in the sequence fall on all alike.
+disk throttled to set bandwidths): at default settings (every layer read ahead from the moment
+the request is planned, the loading controller, the compact copies stored for the probe to read
+where the controller chooses), with the controller off (the probe over the full KV), with the
+probe always reading the compact copies, and with the former read-ahead (two layers ahead). One
+run, the same prompts for every configuration, interleaved per prompt in an order shuffled per
+prompt and round (--repeats), so that load on the machine and a run's place in the sequence fall
+on all alike.
 
 Each prompt's chunks are precomputed once (untimed) and copied into every tier; disk reads are
 cold (the entry files' pages are dropped from the page cache with posix_fadvise before each
@@ -89,7 +91,14 @@ def drop_page_cache(directory: Path) -> None:
 
 
 def engine_key(c: "Config") -> tuple:
-    return c.tier, c.mb_s, c.controller, c.compact
+    return c.tier, c.mb_s, c.schedule
+
+
+# How each schedule sets the engine: the defaults (the loading controller, which reads the
+# compact copies and raises the ratio only where reads would make the prefill wait), the
+# controller off (the probe over the full KV), and the probe always reading the copies.
+SCHEDULES = {"default": dict(loading_controller=True, compact_probe="auto"), "off": dict(loading_controller=False, compact_probe=False),
+             "compact": dict(loading_controller=False, compact_probe=True)}
 
 
 @dataclass
@@ -97,17 +106,21 @@ class Config:
     label: str
     tier: str  # memory, disk, redis or throttled
     mb_s: float | None = None  # a throttled disk's bandwidth
-    former: bool = False  # two layers read ahead instead of every layer
-    controller: bool = False
-    compact: bool = False  # the probe reads the entries' compact copies (compact_probe)
+    schedule: str = "default"  # a SCHEDULES key
+    former: bool = False  # two layers read ahead (with the controller off) instead of every layer
+
+    @property
+    def compact(self) -> bool:  # the probe may read the stored copies
+        return self.schedule != "off"
 
 
-def configs_for(bandwidths: list[float], former: bool | set[str] = True, controller: bool | set[str] = True,
+def configs_for(bandwidths: list[float], former: bool | set[str] = True, off: bool | set[str] = True,
                 plain: bool | set[str] = True, compact: bool | set[str] = True) -> list[Config]:
-    """Every tier, then the throttled disks; `plain` (the default schedule), `compact` (the probe
-    reading compact copies), `former` and `controller` run at every tier (True) or at the ones
-    named ("memory", "disk", "redis", or a bandwidth such as "100"). Memory, the yardstick,
-    always runs (its probe reads the full KV it holds)."""
+    """Every tier, then the throttled disks; `plain` (default settings), `off` (the loading
+    controller off: the probe reads the full KV), `compact` (the controller off, the probe always
+    reading the compact copies) and `former` run at every tier (True) or at the ones named
+    ("memory", "disk", "redis", or a bandwidth such as "100"). Memory, the yardstick, always
+    runs at default settings (its probe reads the full KV it holds)."""
     def at(which, name: str) -> bool:
         return which if isinstance(which, bool) else name in which
 
@@ -115,36 +128,38 @@ def configs_for(bandwidths: list[float], former: bool | set[str] = True, control
     for tier in ("memory", "disk", "redis"):
         if tier == "memory" or at(plain, tier):
             out.append(Config(tier, tier))
+        if tier != "memory" and at(off, tier):
+            out.append(Config(f"{tier}, controller off", tier, schedule="off"))
         if tier != "memory" and at(compact, tier):
-            out.append(Config(f"{tier}, compact probe", tier, compact=True))
+            out.append(Config(f"{tier}, compact probe", tier, schedule="compact"))
         if at(former, tier):
-            out.append(Config(f"{tier}, {FORMER_DEPTH} layers ahead", tier, former=True))
+            out.append(Config(f"{tier}, {FORMER_DEPTH} layers ahead", tier, schedule="off", former=True))
     for mb in bandwidths:
         if at(plain, f"{mb:g}"):
             out.append(Config(f"disk at {mb:g} MB/s", "throttled", mb))
+        if at(off, f"{mb:g}"):
+            out.append(Config(f"disk at {mb:g} MB/s, controller off", "throttled", mb, schedule="off"))
         if at(compact, f"{mb:g}"):
-            out.append(Config(f"disk at {mb:g} MB/s, compact probe", "throttled", mb, compact=True))
+            out.append(Config(f"disk at {mb:g} MB/s, compact probe", "throttled", mb, schedule="compact"))
         if at(former, f"{mb:g}"):
-            out.append(Config(f"disk at {mb:g} MB/s, {FORMER_DEPTH} layers ahead", "throttled", mb, former=True))
-        if at(controller, f"{mb:g}"):
-            # With the copies stored: the controller chooses whether the probe reads them.
-            out.append(Config(f"disk at {mb:g} MB/s + controller", "throttled", mb, controller=True, compact=True))
+            out.append(Config(f"disk at {mb:g} MB/s, {FORMER_DEPTH} layers ahead", "throttled", mb, schedule="off",
+                              former=True))
     return out
 
 
 def run(model, records: list[RagRecord], base: Settings, configs: list[Config], out: str, plot: str | None,
-        quality: bool = True, sep_ids: list[int] | None = None, progress: bool = True) -> dict:
+        quality: bool = True, sep_ids: list[int] | None = None, progress: bool = True, repeats: int = 1) -> dict:
     with redis_and_scratch("kvblend-bench-") as (url, tmp):
         def engine(**update) -> Engine:
             return Engine(model, base.model_copy(update=update), sep_ids=sep_ids)
 
-        mem = engine()
+        mem = engine(**SCHEDULES["default"])
         engines = {}
         for c in configs:  # the disk and Redis engines share one store each, throttled ones another
             if c.tier != "memory" and engine_key(c) not in engines:
                 where = {"disk": dict(local_disk=str(tmp / "disk")), "redis": dict(remote_url=url)}
                 e = engine(local_cpu=False, **where.get(c.tier, dict(local_disk=str(tmp / "slow"))),
-                           loading_controller=c.controller, compact_probe=c.compact)
+                           **SCHEDULES[c.schedule])
                 if c.tier == "throttled":
                     e.store.tiers[0] = Throttled(e.store.tiers[0], c.mb_s * 1e6)
                 engines[engine_key(c)] = e
@@ -164,7 +179,7 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
             else:
                 mem.precompute(ids)
             entries = {k: mem.store.tiers[0].get(k) for k in mem.store.tiers[0].keys()}
-            for key, kv in entries.items():  # stored with the probe's copies where a configuration reads them
+            for key, kv in entries.items():  # stored with the probe's copies where a configuration may read them
                 kv.probe_copy = key.startswith("chunk-") and any(c.compact for c in configs)
             for e in copies:  # the throttled engines share one directory
                 for key, kv in entries.items():
@@ -173,9 +188,9 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
             plan = mem.plan(ids, "blend")
             stored_bytes.append(sum(c.kv.nbytes for c in plan.chunks if c.kv is not None)
                                 / max(1, sum(c.span[1] - c.span[0] for c in plan.chunks if c.kv is not None)))
-            # A new order for each prompt (seeded: the run repeats): a configuration's place in
-            # the sequence (right after memory's run, say) then falls on every one alike.
-            for c in random.Random(i).sample(configs, len(configs)):
+            # A new order for each prompt and round (seeded: the run repeats): a configuration's
+            # place in the sequence (right after memory's run, say) then falls on every one alike.
+            for c in [c for rep in range(repeats) for c in random.Random(i + 1000 * rep).sample(configs, len(configs))]:
                 e = engine_of(c)
                 e.prefetch_depth = FORMER_DEPTH if c.former else e.runner.n_layers
                 if i == 0 and id(e) not in warm:  # one-time costs, and the controller's first measurements
@@ -213,8 +228,7 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
     for c in configs:
         rs = runs[c.label]
         ttft = statistics.mean(r["ttft_s"] for r in rs)
-        row = {"config": c.label, "tier": c.tier, "mb_s": c.mb_s, "former": c.former, "controller": c.controller,
-               "compact": c.compact,
+        row = {"config": c.label, "tier": c.tier, "mb_s": c.mb_s, "former": c.former, "schedule": c.schedule,
                "ttft_ms": 1000 * ttft, "vs_memory": ttft / ref_ttft,
                "load_wait_ms": 1000 * statistics.mean(r["load_wait_s"] for r in rs),
                "recomputed": statistics.mean(r["recomputed"] for r in rs),
@@ -254,10 +268,10 @@ def draw(payload: dict, path: str) -> None:
 
     rows = payload["rows"]
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    series = [("every layer ahead (default)", dict(former=False, controller=False, compact=False), "o-"),
-              ("compact probe", dict(former=False, controller=False, compact=True), "v-."),
-              (f"{FORMER_DEPTH} layers ahead", dict(former=True, controller=False, compact=False), "s--"),
-              ("+ controller", dict(former=False, controller=True, compact=True), "^:")]
+    series = [("default settings", dict(former=False, schedule="default"), "o-"),
+              ("controller off", dict(former=False, schedule="off"), "s--"),
+              ("compact probe always", dict(former=False, schedule="compact"), "v-."),
+              (f"controller off, {FORMER_DEPTH} layers ahead", dict(former=True), "^:")]
     for name, match, style in series:
         pts = sorted((r["mb_s"], r["vs_memory"]) for r in rows
                      if r["tier"] == "throttled" and all(r[k] == v for k, v in match.items()))
@@ -291,14 +305,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--limit", type=int, default=8)
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--bandwidths", default="1000,300,100", help="throttled disk bandwidths, MB/s, comma-separated")
-    ap.add_argument("--plain-at", default="all", help="tiers and bandwidths to run with the default schedule: "
+    ap.add_argument("--plain-at", default="all", help="tiers and bandwidths to run at default settings: "
                     "all, none, or comma-separated (memory always runs)")
     ap.add_argument("--former-at", default="all", help=f"where to run the {FORMER_DEPTH}-layers-ahead schedule too: "
                     "all, none, or tiers and bandwidths, comma-separated (memory,100)")
-    ap.add_argument("--compact-at", default="all", help="where to run with the probe reading the entries' compact "
-                    "copies (compact_probe) too: all, none, or tiers and bandwidths, comma-separated")
-    ap.add_argument("--controller-at", default="all", help="throttled bandwidths to run the loading controller at: "
-                    "all, none, or comma-separated")
+    ap.add_argument("--compact-at", default="all", help="where to run with the probe always reading the entries' "
+                    "compact copies (compact_probe true, the controller off) too: all, none, or tiers and bandwidths, "
+                    "comma-separated")
+    ap.add_argument("--off-at", default="all", help="where to run with the loading controller off (the probe over "
+                    "the full KV, the former default) too: all, none, or tiers and bandwidths, comma-separated")
+    ap.add_argument("--repeats", type=int, default=1, help="runs of each configuration on each prompt, in a new "
+                    "shuffled order each round; TTFT is their mean")
     ap.add_argument("--no-quality", action="store_true", help="leave out full prefill and the quality columns")
     ap.add_argument("--out", default="results/storage_bench.json")
     ap.add_argument("--plot", default="results/storage_bench.png")
@@ -311,8 +328,8 @@ def main(argv: list[str] | None = None) -> None:
         return {"all": True, "none": False}.get(arg, set(arg.split(",")))
 
     configs = configs_for([float(b) for b in args.bandwidths.split(",") if b], which(args.former_at),
-                          which(args.controller_at), which(args.plain_at), which(args.compact_at))
-    run(model, records, base, configs, args.out, args.plot, quality=not args.no_quality)
+                          which(args.off_at), which(args.plain_at), which(args.compact_at))
+    run(model, records, base, configs, args.out, args.plot, quality=not args.no_quality, repeats=args.repeats)
 
 
 if __name__ == "__main__":

@@ -36,19 +36,24 @@ RECORDS = [
 def test_storage_bench_runs_every_tier_and_schedule_on_a_tiny_model(tmp_path):
     bench = load_bench()
     engine = tiny_engine()
-    configs = bench.configs_for([300.0], former=True, controller=True)
+    configs = bench.configs_for([300.0], former=True, off=True)
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
-    bench.run(engine.model, RECORDS, engine.settings, configs, str(out), str(plot), progress=False)
+    bench.run(engine.model, RECORDS, engine.settings, configs, str(out), str(plot), progress=False, repeats=2)
     payload = json.loads(out.read_text())
     rows = {r["config"]: r for r in payload["rows"]}
     assert list(rows) == [c.label for c in configs] and plot.stat().st_size > 0
     assert rows["memory"]["vs_memory"] == 1.0
-    for label, tier in (("memory", "memory"), ("disk", "disk"), ("redis", "redis"), ("disk at 300 MB/s", "disk")):
+    assert all(len(runs) == 2 * len(RECORDS) for runs in payload["runs"].values())
+    for label, tier in (("memory", "memory"), ("disk, controller off", "disk"), ("redis, controller off", "redis"),
+                        ("disk at 300 MB/s, controller off", "disk")):
         assert set(rows[label]["tiers"]) == {tier, "prefix"}  # the first chunk comes exact, by default
+    # At default settings every request carries the loading controller's decision.
+    assert all(run["controller"] for c in configs if c.schedule == "default" for run in payload["runs"][c.label])
     # Tiers and schedules read the same KV: the same answers, so the same quality, exactly; where
     # the probe reads stored entries' compact copies, the same among themselves.
-    for compact in (False, True):
-        same = [label for label, r in rows.items() if not r["controller"] and r["compact"] == compact]
+    plain = ["memory"] + [c.label for c in configs if c.schedule == "off"]
+    copies = [c.label for c in configs if c.schedule == "compact"]
+    for same, compact in ((plain, False), (copies, True)):
         assert all((rows[k]["compact_chunks"] > 0) == compact for k in same)  # the probe read the copies
         assert len(same) >= 3 and len({(rows[k]["kl_answer"], rows[k]["top1_agree"]) for k in same}) == 1
     assert all(r["kl_answer"] >= 0 and 0 <= r["top1_agree"] <= 1 for r in rows.values())
