@@ -29,6 +29,22 @@ def counts(plan):
     return plan.n_tokens - plan.prefix_hit - reused, reused
 
 
+def layer_bytes(plan):
+    """Bytes of one layer of every stored entry the plan reads."""
+    return sum(c.kv.meta.layer_nbytes for c in plan.chunks) + sum(kv.meta.layer_nbytes for _, kv in plan.prefix_blocks)
+
+
+def slow_disk(tmp_path, **settings):
+    """(engine, disk, controller, plan): compute at 1e4 rows a second, and a disk whose layer read
+    takes as long as computing the must-compute rows and 60% of the reused ones."""
+    engine, disk, ctl = disk_engine(tmp_path, **settings)
+    plan = engine.plan(ASKED, "blend")
+    must, reused = counts(plan)
+    ctl.compute.rate = 1e4
+    disk.meter.rate = layer_bytes(plan) * ctl.compute.rate / (must + 0.6 * reused)
+    return engine, disk, ctl, plan
+
+
 def test_no_measurements_no_change(tmp_path):
     engine, disk, ctl = disk_engine(tmp_path)
     cfg, d = ctl.decide(engine.plan(ASKED, "blend"), engine.blend_cfg)
@@ -63,12 +79,8 @@ def test_play_a_compact_probe_reads_copies_first_and_the_blend_pass_reads_in_ful
 def test_slow_tier_raises_the_ratio_while_the_extra_rows_fill_waits_for_reads(tmp_path):
     """No probe: the blend pass reads each layer from its check layer on, and recomputing more
     rows costs nothing while a layer's read takes longer than its compute."""
-    engine, disk, ctl = disk_engine(tmp_path, weight_by_attention=False)
-    plan = engine.plan(ASKED, "blend")
-    must, reused = counts(plan)
-    layer_bytes = sum(c.kv.meta.layer_nbytes for c in plan.chunks) + sum(kv.meta.layer_nbytes for _, kv in plan.prefix_blocks)
-    ctl.compute.rate = 1e4  # rows per second
-    disk.meter.rate = layer_bytes * ctl.compute.rate / (must + 0.6 * reused)  # a read: 60% of reused rows
+    engine, disk, ctl, plan = slow_disk(tmp_path, weight_by_attention=False)
+    _, reused = counts(plan)
     cfg, d = ctl.decide(plan, engine.blend_cfg)
     assert d.dropped == 0 and 0.3 < d.ratio < 1.0 and cfg.ratios == [d.ratio]
     L, pair_s = engine.runner.n_layers, 1 / ctl.compute.rate
@@ -87,12 +99,8 @@ def test_a_full_depth_probe_waits_for_every_read_and_recompute_cannot_hide_it(tm
     """The probe needs every layer's stored KV before the blend pass begins: more recompute in
     the blend pass would only add to the wait, so the ratio stays near the floor and the decision
     says why."""
-    engine, disk, ctl = disk_engine(tmp_path, compact_probe=False)
-    plan = engine.plan(ASKED, "blend")
-    must, reused = counts(plan)
-    layer_bytes = sum(c.kv.meta.layer_nbytes for c in plan.chunks) + sum(kv.meta.layer_nbytes for _, kv in plan.prefix_blocks)
-    ctl.compute.rate = 1e4
-    disk.meter.rate = layer_bytes * ctl.compute.rate / (must + 0.6 * reused)
+    engine, disk, ctl, plan = slow_disk(tmp_path, compact_probe=False)
+    _, reused = counts(plan)
     cfg, d = ctl.decide(plan, engine.blend_cfg)
     L, pair_s = engine.runner.n_layers, 1 / ctl.compute.rate
     assert "probe-bound" in d.reason and d.dropped == 0 and d.wait_s > (L - 1) * 0.5 * d.load_s
@@ -104,12 +112,7 @@ def test_a_compact_probe_reads_a_fraction_of_the_bytes_so_the_same_tier_is_not_p
     the full reads stream in behind it, so the expected wait falls well below a probe's over full KV."""
     estimates = {}
     for compact in (False, True):
-        engine, disk, ctl = disk_engine(tmp_path / str(compact), compact_probe=compact)
-        plan = engine.plan(ASKED, "blend")
-        must, reused = counts(plan)
-        layer_bytes = sum(c.kv.meta.layer_nbytes for c in plan.chunks) + sum(kv.meta.layer_nbytes for _, kv in plan.prefix_blocks)
-        ctl.compute.rate = 1e4
-        disk.meter.rate = layer_bytes * ctl.compute.rate / (must + 0.6 * reused)
+        engine, disk, ctl, plan = slow_disk(tmp_path / str(compact), compact_probe=compact)
         estimates[compact] = ctl.decide(plan, engine.blend_cfg)[1]
     assert all(c.kv is None or c.kv.has_probe_copy for c in plan.chunks)
     assert "probe-bound" in estimates[False].reason and "probe-bound" not in estimates[True].reason
@@ -124,10 +127,9 @@ def test_the_probe_reads_the_copies_only_where_a_full_probe_would_wait_for_reads
     engine, disk, ctl = disk_engine(tmp_path, compact_probe=True)
     plan = engine.plan(ASKED, "blend")
     must, reused = counts(plan)
-    layer_bytes = sum(c.kv.meta.layer_nbytes for c in plan.chunks) + sum(kv.meta.layer_nbytes for _, kv in plan.prefix_blocks)
     ctl.compute.rate = 1e4
     decisions = {}
-    for name, rate in (("fast", 1e12), ("slow", layer_bytes * ctl.compute.rate / (must + 0.6 * reused))):
+    for name, rate in (("fast", 1e12), ("slow", layer_bytes(plan) * ctl.compute.rate / (must + 0.6 * reused))):
         disk.meter.rate = rate
         cfg, decisions[name] = ctl.decide(engine.plan(ASKED, "blend"), engine.blend_cfg)
         assert cfg.compact_probe == decisions[name].compact
@@ -207,12 +209,7 @@ def test_controller_on_by_default_and_a_fast_tier_gives_what_it_gives_off(tmp_pa
 def test_waits_under_a_twentieth_of_the_prefill_change_nothing(tmp_path, monkeypatch):
     """A tier slow enough for the extra rows to fill some waits: the controller raises the ratio
     only where the plain schedule's expected wait passes ACT_WAIT of its prefill."""
-    engine, disk, ctl = disk_engine(tmp_path, weight_by_attention=False)
-    plan = engine.plan(ASKED, "blend")
-    must, reused = counts(plan)
-    layer_bytes = sum(c.kv.meta.layer_nbytes for c in plan.chunks) + sum(kv.meta.layer_nbytes for _, kv in plan.prefix_blocks)
-    ctl.compute.rate = 1e4
-    disk.meter.rate = layer_bytes * ctl.compute.rate / (must + 0.6 * reused)
+    engine, disk, ctl, plan = slow_disk(tmp_path, weight_by_attention=False)
     _, d = ctl.decide(plan, engine.blend_cfg)
     assert d.ratio > FLOOR
     monkeypatch.setattr(LoadingController, "ACT_WAIT", 1.0)
