@@ -97,7 +97,8 @@ def engine_key(c: "Config") -> tuple:
 # How each schedule sets the engine: the defaults (the loading controller, which reads the
 # compact copies and raises the ratio only where reads would make the prefill wait), the
 # controller off (the probe over the full KV), and the probe always reading the copies.
-SCHEDULES = {"default": dict(loading_controller=True, compact_probe="auto"), "off": dict(loading_controller=False, compact_probe=False),
+SCHEDULES = {"default": dict(loading_controller=True, compact_probe="auto"),
+             "off": dict(loading_controller=False, compact_probe=False),
              "compact": dict(loading_controller=False, compact_probe=True)}
 
 

@@ -74,9 +74,9 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-int8", action=argparse.BooleanOptionalAction, default=None,
                    help="store chunk KV as int8 with a scale per token and head")
     p.add_argument("--compact-probe", action=argparse.BooleanOptionalAction, default=None,
-                   help="the attention probe always reads the compact int4 copies of disk and Redis entries "
-                        "(default: they are stored and read where the loading controller chooses; "
-                        "--no-compact-probe: none stored)")
+                   help="with the loading controller off, the attention probe always reads the compact int4 "
+                        "copies of disk and Redis entries (default: they are stored and read where the "
+                        "controller chooses; --no-compact-probe: none stored)")
     p.add_argument("--loading-controller", action=argparse.BooleanOptionalAction, default=None,
                    help="plan reads against compute where they would make the prefill wait: compact copies "
                         "for the probe, a higher recompute ratio (default: on)")

@@ -181,9 +181,9 @@ class Settings(BaseSettings):
     # bytes at bf16) that only blend's attention probe reads: on a slow tier (a few hundred MB/s
     # or less) the probe then finishes early while the full KV streams in behind it for the blend
     # pass. "auto": stored, and read where the loading controller expects it to pay (with the
-    # controller off, never); true: read by every probe (decoding costs CPU that a fast tier does
-    # not win back); false: not stored. Chunks in memory are always probed in full
-    # (docs/storage.md#compact-probe).
+    # controller off, never); true: the same, and with the controller off read by every probe
+    # (decoding costs CPU that a fast tier does not win back); false: not stored. Chunks in memory
+    # are always probed in full (docs/storage.md#compact-probe).
     compact_probe: bool | Literal["auto"] = "auto"
     # Plan each request's reads against its compute (probe and blend pass, from measured tier
     # bandwidth and compute speed) where they would make the prefill wait: read the compact copies

@@ -184,9 +184,9 @@ class LoadingController:
             return plain, Decision(floor, floor, reason="not measured yet" if chunks else "nothing to read")
         n_layers, pair_s = chunks[0].kv.n_layers, 1.0 / speed
         self.decisions += 1
-        ttft, wait, _ = play(work(plan, plain, floor, n_layers), reads, pair_s)
+        w = work(plan, plain, floor, n_layers)
+        ttft, wait, _ = play(w, reads, pair_s)
         if wait <= self.ACT_WAIT * ttft:  # the plain schedule: the floor ratio, the probe over full KV
-            w = work(plan, plain, floor, n_layers)
             return plain, Decision(floor, floor, 0, reads.full, w.blend_rows[-1] * pair_s, ttft, wait,
                                    "compute-bound: loading hides behind compute")
         if cfg.compact_probe and reads.compact < reads.full:
