@@ -185,26 +185,28 @@ class LoadingController:
         n_layers, pair_s = chunks[0].kv.n_layers, 1.0 / speed
         self.decisions += 1
         w = work(plan, plain, floor, n_layers)
-        ttft, wait, _ = play(w, reads, pair_s)
-        if wait <= self.ACT_WAIT * ttft:  # the plain schedule: the floor ratio, the probe over full KV
-            return plain, Decision(floor, floor, 0, reads.full, w.blend_rows[-1] * pair_s, ttft, wait,
+        at_floor = play(w, reads, pair_s)  # (ttft, wait, probe's wait) of the schedule chosen, at the floor
+        if at_floor[1] <= self.ACT_WAIT * at_floor[0]:  # the plain schedule: the floor ratio, the probe over full KV
+            return plain, Decision(floor, floor, 0, reads.full, w.blend_rows[-1] * pair_s, *at_floor[:2],
                                    "compute-bound: loading hides behind compute")
         if cfg.compact_probe and reads.compact < reads.full:
             # Read the copies only where that saves more than their decoding costs (CPU the model
             # does not see): where a probe over the full KV would wait for its reads.
-            with_copies = play(work(plan, cfg, floor, n_layers), reads, pair_s)
-            if with_copies[0] > (1 - self.COMPACT_GAIN) * ttft:
+            w_copies = work(plan, cfg, floor, n_layers)
+            with_copies = play(w_copies, reads, pair_s)
+            if with_copies[0] > (1 - self.COMPACT_GAIN) * at_floor[0]:
                 cfg = plain
+            else:
+                w, at_floor = w_copies, with_copies
         else:
             cfg = plain
 
         def estimate(ratio: float) -> tuple[float, float, float]:
             return play(work(plan, cfg, ratio, n_layers), reads, pair_s)
 
-        w = work(plan, cfg, floor, n_layers)
         first_read = reads.compact if w.compact else reads.full  # nothing hides the first layer's read
         remeasure = self.decisions % self.REMEASURE_EVERY == 0
-        best, wait, _ = estimate(floor)
+        best, wait, _ = at_floor
         waits = wait > first_read * (1 + 1e-9)
         dropped = 0
         slow = sorted((c for c in chunks if c.tier != "memory"), key=lambda c: self._rate(c.tier))
