@@ -48,6 +48,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
     p.add_argument("--neighbour-context", action=argparse.BooleanOptionalAction, default=None,
                    help="precompute each chunk of a known collection after its most similar chunk (default: on)")
+    p.add_argument("--neighbour-count", type=int,
+                   help="...after this many of its most similar chunks, the nearest last (default: 1)")
     p.add_argument("--neighbour-index", help="file of that index (default: neighbours.json in --local-disk)")
     p.add_argument("--exact-first-chunk", action=argparse.BooleanOptionalAction, default=None,
                    help="precompute also stores each chunk exact as a prompt's first chunk (default: on)")
@@ -101,6 +103,7 @@ def _settings(args):
                          stale_key_shift=args.stale_key_shift,
                          chunk_context=args.chunk_context,
                          neighbour_context=args.neighbour_context, neighbour_index=args.neighbour_index,
+                         neighbour_count=args.neighbour_count,
                          exact_first_chunk=args.exact_first_chunk, separator=args.separator,
                          namespace=args.namespace, shared_namespace=args.shared_namespace,
                          **{name: getattr(args, name) for name in _STORE_FIELDS})

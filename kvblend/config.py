@@ -139,6 +139,10 @@ class Settings(BaseSettings):
     # When a collection is known (`kvblend store put`, `eval`, `demo`, LLM.store_documents), each of
     # its chunks is precomputed after its most similar other chunk (docs/experiments.md#chunk-context).
     neighbour_context: bool = True
+    # How many of its most similar chunks each one is precomputed after (the nearest last). More
+    # halved reuse's KL on Qwen 0.5B but did not pay for blend (docs/experiments.md#chunk-context).
+    # Applies to chunks indexed from then on: an index keeps what its chunks were precomputed after.
+    neighbour_count: int = Field(default=1, ge=1, le=8)
     # Where the index of `namespace` is kept (JSON), so later processes look chunks up by the same
     # neighbours. None: in local_disk (`neighbours.json` for the `default` namespace,
     # `neighbours/<namespace>.json` for others) and in Redis (a key per namespace) when configured,

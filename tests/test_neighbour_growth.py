@@ -74,7 +74,7 @@ def test_the_old_kv_is_served_until_the_new_kv_is_stored(tmp_path):
     grow(engine, "kb", [A, X])
     with engine.namespace("kb"):
         old = engine.keys.chunk_key(A, CONTEXT)
-        new = engine.keys.chunk_key(A, CONTEXT, engine.keys.lead_after(B))
+        new = engine.keys.chunk_key(A, CONTEXT, engine.keys.lead_after([B]))
     grow(engine, "kb", [B, Y])
     gate = threading.Event()
     engine.store.after_writes(gate.wait)  # holds the background writer: nothing behind it is written
@@ -103,7 +103,7 @@ def test_a_chunk_switches_only_to_a_much_closer_one():
     index.add([closer])
     assert index.waiting() == []
     index.add([B])
-    assert index.waiting() == [(A, B)] and index.neighbour_of(A) == n
+    assert index.waiting() == [(A, B, [B])] and index.neighbour_of(A) == n
     assert not index.promote(A, closer) and index.promote(A, B) and index.neighbour_of(A) == B
     assert not index.promote(A, B)  # switched already (by another process): nothing changes
 
@@ -133,7 +133,7 @@ def test_an_index_written_before_chunks_could_switch_loads_and_grows(tmp_path):
     engine.store.flush()
     # The default namespace, outside any `namespace()`: the engine's next plan uses the new key.
     a = engine.plan(prompt([B, A]), "blend").chunks[1]
-    assert a.key == engine.keys.chunk_key(A, CONTEXT, engine.keys.lead_after(B)) and a.kv is not None
+    assert a.key == engine.keys.chunk_key(A, CONTEXT, engine.keys.lead_after([B])) and a.kv is not None
     saved = json.loads((tmp_path / "neighbours.json").read_text())
     assert saved["neighbour"][0] == saved["chunks"].index(B) and saved["pending"] == [-1] * 4
 

@@ -38,7 +38,28 @@ def test_old_neighbours_stay_as_the_collection_grows(tmp_path):
     assert [loaded.neighbour_of(c) for c in (A, B, C, D)] == [index.neighbour_of(c) for c in (A, B, C, D)]
 
 
-@pytest.mark.parametrize("text", ["", "{}", '{"format": "kvblend-neighbours-1", "chunks": [[1]], "neighbour": [5]}'])
+def test_more_neighbours_come_farthest_first_and_survive_a_save(tmp_path):
+    E = [1, 2, 60, 61, 62]  # shares less with A than B does
+    index = NeighbourIndex()
+    index.add([A, B, E, C], count=3)
+    assert index.neighbour_of(A) == B
+    assert index.lead_of(A) == [E, B]  # the nearest last; C shares nothing with A
+    assert index.lead_of(C) == [] and index.lead_of([7, 7]) == []
+    index.save(tmp_path / "n.json")
+    assert NeighbourIndex.load(tmp_path / "n.json").lead_of(A) == [E, B]
+    one = NeighbourIndex()
+    one.add([A, B, E, C])
+    assert one.lead_of(A) == [B]
+
+
+def test_an_index_written_before_more_neighbours_loads_with_none(tmp_path):
+    path = tmp_path / "n.json"
+    path.write_text('{"format": "kvblend-neighbours-1", "chunks": [[1, 2], [1, 3]], "neighbour": [1, 0]}')
+    assert NeighbourIndex.load(path).lead_of([1, 2]) == [[1, 3]]
+
+
+@pytest.mark.parametrize("text", ["", "{}", '{"format": "kvblend-neighbours-1", "chunks": [[1]], "neighbour": [5]}',
+                                  '{"format": "kvblend-neighbours-1", "chunks": [[1]], "neighbour": [-1], "more": [[3]]}'])
 def test_a_bad_index_file_is_a_clear_error(tmp_path, text):
     path = tmp_path / "n.json"
     path.write_text(text)
@@ -69,6 +90,24 @@ def test_a_chunk_is_stored_with_the_kv_it_has_after_its_neighbour():
     plain = make_engine(chunk_context="prefix")
     assert engine.keys.chunk_key(cs[1], PREFIX + SEP) != plain.keys.chunk_key(cs[1], PREFIX + SEP)
     assert engine.keys.chunk_key([5, 6, 7], PREFIX + SEP) == plain.keys.chunk_key([5, 6, 7], PREFIX + SEP)
+
+
+def test_a_chunk_after_two_neighbours_is_stored_as_a_prompt_with_both_before_it_computes_it():
+    cs = chunks(3, seed=3)
+    cs[1] = cs[0][:12] + cs[1][12:]  # 0 is 1's nearest chunk
+    cs[2] = cs[1][12:18] + cs[2][6:]  # 2 shares less with 1
+    engine = indexed_engine(cs, neighbour_count=2)
+    assert engine.keys.lead_ids(cs[1]) == cs[2] + SEP + cs[0] + SEP
+    engine.precompute(prompt(cs))
+    ids = join_segments(PREFIX, [cs[2], cs[0], cs[1]], SUFFIX, SEP)
+    _, full = prefill(engine, ids, "full")
+    start = len(PREFIX) + 3 * len(SEP) + len(cs[2]) + len(cs[0])
+    kv = engine.store.get(engine.keys.chunk_key(cs[1], PREFIX + SEP))
+    torch.testing.assert_close(kv.k, full.cache.k[:, :, start:start + len(cs[1])], atol=1e-5, rtol=1e-5)
+    plan, blend = prefill(engine, prompt(cs[::-1]), "blend", ratios=[1.0])
+    _, full = prefill(engine, prompt(cs[::-1]), "full")
+    assert plan.hits == 3
+    torch.testing.assert_close(blend.logits, full.logits, atol=1e-4, rtol=1e-4)
 
 
 def test_blend_at_ratio_one_equals_full_prefill_with_neighbour_chunks():

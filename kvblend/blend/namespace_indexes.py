@@ -22,8 +22,9 @@ CACHED = 256  # namespaces whose index is kept parsed in memory (least recently 
 
 
 class NamespaceIndexes:
-    def __init__(self, store: IndexStore):
+    def __init__(self, store: IndexStore, count: int = 1):
         self.store = store
+        self.count = count  # chunks a new chunk is precomputed after (NeighbourIndex.add)
         self._cache: OrderedDict[str, tuple[object, NeighbourIndex | None]] = OrderedDict()
         self._lock = threading.Lock()  # the engine thread adds, a background writer may too
 
@@ -49,7 +50,7 @@ class NamespaceIndexes:
             index = self._parse(ns, text, rebuilding=True)
             rebuilt = index is None
             index = index or NeighbourIndex()
-            result["new"], result["index"] = index.add(chunks), index
+            result["new"], result["index"] = index.add(chunks, self.count), index
             return index.to_json() if result["new"] or rebuilt else None  # None: unchanged, not written
 
         with self._lock:

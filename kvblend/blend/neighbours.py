@@ -1,15 +1,18 @@
-"""Each chunk of a known collection and its most similar other chunk (FusionRAG-style context).
+"""Each chunk of a known collection and its most similar other chunks (FusionRAG-style context).
 
 A chunk precomputed after its nearest neighbour stores KV that has already attended to related
 text, so it starts closer to the KV full prefill gives it among the chunks it is retrieved with
 (docs/experiments.md#chunk-context). Similarity is TF-IDF cosine over token ids: cheap, model-free and
-deterministic.
+deterministic. A chunk may also be precomputed after a few more of its nearest chunks (`more`,
+chosen when it joins, farthest first, its neighbour last): a longer context like the prompts it
+is retrieved into (`neighbour_count`; docs/experiments.md#chunk-context).
 
 The collection grows: when chunks join it, an older chunk for which a much closer chunk arrived
 (REENCODE_MARGIN) gets that one as its `pending` neighbour. Lookups keep using `neighbour`, whose
 KV is stored, until the chunk's KV after the pending one is stored too (Engine.reencode_neighbours,
 in the background); then `promote` switches the chunk to it. A key in use thus always names stored
-KV. The file keeps the first format: `pending` is an added field, an index without it has none.
+KV. The file keeps the first format: `pending` and `more` are added fields, an index without them
+has none.
 """
 
 from __future__ import annotations
@@ -34,11 +37,14 @@ REENCODE_MARGIN = 0.1
 
 class NeighbourIndex:
     def __init__(self, chunks: list[list[int]] | None = None, neighbour: list[int] | None = None,
-                 pending: list[int] | None = None):
+                 pending: list[int] | None = None, more: list[list[int]] | None = None):
         self.chunks = chunks or []
         self.neighbour = neighbour or []  # index into chunks, or -1: no similar chunk
         # A much closer chunk found later, used once the chunk's KV after it is stored; -1: none.
         self.pending = pending or [-1] * len(self.chunks)
+        # The next most similar chunks after the neighbour when the chunk joined, nearest first:
+        # precomputed before the neighbour, farthest first. Fixed: a switch changes the neighbour only.
+        self.more = more or [[] for _ in self.chunks]
         self._at = {tokens_hash(c): i for i, c in enumerate(self.chunks)}
 
     def __len__(self) -> int:
@@ -50,9 +56,21 @@ class NeighbourIndex:
         j = self.neighbour[i] if i is not None else -1
         return self.chunks[j] if j >= 0 else None
 
-    def waiting(self) -> list[tuple[list[int], list[int]]]:
-        """(chunk, its pending neighbour) of each chunk whose KV after a closer chunk is not stored yet."""
-        return [(self.chunks[i], self.chunks[j]) for i, j in enumerate(self.pending) if j >= 0]
+    def lead_of(self, chunk_ids: Sequence[int]) -> list[list[int]]:
+        """The chunks a chunk is precomputed after, farthest first, its neighbour last; [] for a
+        chunk outside the collection or without a neighbour."""
+        i = self._at.get(tokens_hash(chunk_ids))
+        return self._lead(i, self.neighbour[i]) if i is not None else []
+
+    def _lead(self, i: int, neighbour: int) -> list[list[int]]:
+        if neighbour < 0:
+            return []
+        return [self.chunks[j] for j in reversed(self.more[i]) if j != neighbour] + [self.chunks[neighbour]]
+
+    def waiting(self) -> list[tuple[list[int], list[int], list[list[int]]]]:
+        """(chunk, its pending neighbour, the lead it would be precomputed after) of each chunk
+        whose KV after a closer chunk is not stored yet."""
+        return [(self.chunks[i], self.chunks[j], self._lead(i, j)) for i, j in enumerate(self.pending) if j >= 0]
 
     def promote(self, chunk_ids: Sequence[int], candidate_ids: Sequence[int]) -> bool:
         """The chunk's KV after `candidate_ids` is stored: lookups use that neighbour from now on.
@@ -64,10 +82,11 @@ class NeighbourIndex:
         self.neighbour[i], self.pending[i] = j, -1
         return True
 
-    def add(self, chunks: Iterable[Sequence[int]]) -> int:
+    def add(self, chunks: Iterable[Sequence[int]], count: int = 1) -> int:
         """Index new chunks; each one's neighbour is its most similar other chunk of the whole
-        collection. An old chunk keeps its neighbour; a new chunk much closer to it becomes its
-        pending one. Returns how many were new."""
+        collection, and its `count - 1` next most similar ones are kept as `more`. An old chunk
+        keeps its neighbour; a new chunk much closer to it becomes its pending one. Returns how many
+        were new."""
         new = []
         for c in chunks:
             h = tokens_hash(c)
@@ -87,6 +106,7 @@ class NeighbourIndex:
             sims[torch.arange(a, b), torch.arange(b - a)] = -1.0  # never itself
             best, at = sims.max(0)
             self.neighbour += [int(j) if s > 0 else -1 for s, j in zip(best.tolist(), at.tolist())]
+            self.more += _next_nearest(sims, at, count - 1)
             if first:
                 best, at = sims[:first].max(1)
                 closer = best > closest
@@ -108,7 +128,7 @@ class NeighbourIndex:
 
     def to_json(self) -> str:
         return json.dumps({"format": FORMAT, "chunks": self.chunks, "neighbour": self.neighbour,
-                           "pending": self.pending})
+                           "pending": self.pending, "more": self.more})
 
     @classmethod
     def from_json(cls, text: str | bytes, where: str = "neighbour index") -> "NeighbourIndex":
@@ -117,14 +137,17 @@ class NeighbourIndex:
             data = json.loads(text)
             chunks, neighbour = data["chunks"], data["neighbour"]
             pending = data.get("pending", [-1] * len(chunks))  # an index written before chunks could switch
-            ok = (data.get("format") == FORMAT and len(chunks) == len(neighbour) == len(pending)
+            more = data.get("more", [[] for _ in chunks])  # one written before chunks had more context
+            ok = (data.get("format") == FORMAT and len(chunks) == len(neighbour) == len(pending) == len(more)
                   and all(isinstance(j, int) and -1 <= j < len(chunks) for j in neighbour + pending)
+                  and all(isinstance(m, list) and all(isinstance(j, int) and 0 <= j < len(chunks) for j in m)
+                          for m in more)
                   and all(isinstance(c, list) and all(isinstance(t, int) for t in c) for c in chunks))
         except (ValueError, KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"neighbour index {where} cannot be read: {e}") from e
         if not ok:
             raise ValueError(f"neighbour index {where} is not a {FORMAT} file")
-        return cls(chunks, neighbour, pending)
+        return cls(chunks, neighbour, pending, more)
 
     def save(self, path: str | Path) -> None:
         """Write atomically, so a reader never sees half an index."""
@@ -137,6 +160,16 @@ class NeighbourIndex:
         except (OSError, ValueError) as e:
             raise ValueError(f"neighbour index {path} cannot be read: {e}") from e
         return cls.from_json(text, str(path))
+
+
+def _next_nearest(sims: torch.Tensor, nearest: torch.Tensor, n: int) -> list[list[int]]:
+    """For each column of sims [all, block]: its `n` most similar rows after `nearest`, with a
+    positive similarity, nearest first."""
+    if n <= 0:
+        return [[] for _ in range(sims.shape[1])]
+    best, at = sims.topk(min(n + 1, sims.shape[0]), dim=0)
+    return [[j for s, j in zip(col_s, col_j) if s > 0 and j != first][:n]
+            for col_s, col_j, first in zip(best.T.tolist(), at.T.tolist(), nearest.tolist())]
 
 
 def _pair_sims(x: torch.Tensor, rows: torch.Tensor, others: list[int]) -> list[float]:

@@ -116,13 +116,13 @@ class KeyScheme:
 
     def lead_ids(self, chunk_ids: list[int]) -> list[int]:
         """What a chunk is precomputed after besides the context: its neighbour in the indexed
-        collection and a separator, as in a prompt; nothing for a chunk outside it."""
-        neighbour = self.neighbours.neighbour_of(chunk_ids) if self.neighbours is not None else None
-        return self.lead_after(neighbour)
+        collection (after its `more` chunks, if any), each followed by a separator as in a prompt;
+        nothing for a chunk outside it."""
+        return self.lead_after(self.neighbours.lead_of(chunk_ids) if self.neighbours is not None else [])
 
-    def lead_after(self, neighbour: list[int] | None) -> list[int]:
-        """The lead of a chunk precomputed after `neighbour` (None: after nothing)."""
-        return neighbour + self.sep_ids if neighbour is not None else []
+    def lead_after(self, chunks: list[list[int]]) -> list[int]:
+        """The lead of a chunk precomputed after `chunks` ([]: after nothing)."""
+        return [t for chunk in chunks for t in chunk + self.sep_ids]
 
     def chunk_key(self, chunk_ids: list[int], context_ids: list[int], lead: list[int] | None = None) -> str:
         """The key of the chunk's KV after the context and `lead` (None: its lead in the index)."""

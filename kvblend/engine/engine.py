@@ -105,7 +105,8 @@ class Engine:
         self.store = build_store(s, self.spec)
         # Each namespace's neighbour index, kept beside the store's entries (Redis, local_disk).
         own = (s.namespace, Path(s.neighbour_index)) if s.neighbour_index is not None else None
-        self.indexes = (NamespaceIndexes(build_index_store(self.store.tier("redis"), s.local_disk, own))
+        self.indexes = (NamespaceIndexes(build_index_store(self.store.tier("redis"), s.local_disk, own),
+                                         s.neighbour_count)
                         if s.neighbour_context else None)
         self.neighbour_reencodes = 0  # chunks switched to a closer neighbour, their KV re-encoded after it
         self._switched: set[str] = set()  # namespaces whose index the writer changed: bound again at the next plan
@@ -380,17 +381,17 @@ class Engine:
         if not waiting:
             return 0
         context = self.keys.context_ids(token_ids, seg or self.segments(token_ids))
-        todo = {}  # key after the new neighbour -> (chunk, new neighbour)
-        for chunk, candidate in waiting:
-            todo[self.keys.chunk_key(chunk, context, self.keys.lead_after(candidate))] = (chunk, candidate)
+        todo = {}  # key after the new neighbour -> (chunk, new neighbour, lead ids)
+        for chunk, candidate, lead in waiting:
+            lead_ids = self.keys.lead_after(lead)
+            todo[self.keys.chunk_key(chunk, context, lead_ids)] = (chunk, candidate, lead_ids)
         # A key stored already was encoded by an earlier try (one whose switch waits, or cut short).
         stored = {key for key in todo if key in self.store}
         encode = [key for key in todo if key not in stored][:limit]
-        kvs = encode_chunks(self.runner, context, [todo[key][0] for key in encode],
-                            [self.keys.lead_after(todo[key][1]) for key in encode])
+        kvs = encode_chunks(self.runner, context, [todo[key][0] for key in encode], [todo[key][2] for key in encode])
         for key, kv in zip(encode, kvs):
             self._store_chunk(key, kv)
-        switch = {key: todo[key] for key in [*stored, *encode]}
+        switch = {key: todo[key][:2] for key in [*stored, *encode]}
         self.store.after_writes(self._switch_neighbours, self.keys.namespace, switch)
         return len(encode)
 
