@@ -129,6 +129,7 @@ def main() -> None:
     ap.add_argument("--data", default="../shared/data/musique_s.dev.json")
     ap.add_argument("--offset", type=int, default=0)
     ap.add_argument("--limit", type=int, default=3)
+    ap.add_argument("--model", default=None, help="model alias or path (default: the default model)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--ratios", default="0.08,0.15,0.3")
     ap.add_argument("--repeats", type=int, default=3)
@@ -139,8 +140,9 @@ def main() -> None:
     args = ap.parse_args()
     global CLOCK
     CLOCK = time.process_time if args.clock == "cpu" else time.perf_counter
-    model = load_model(dtype=args.dtype)
-    engine = Engine(model, load_settings(dtype=args.dtype))
+    settings = load_settings(model=args.model, dtype=args.dtype)
+    model = load_model(settings.model, dtype=args.dtype)
+    engine = Engine(model, settings)
     records = load_dataset(args.data, limit=args.limit, offset=args.offset)
     variants = [("full", None, ""), ("reuse", None, "")]
     extra = {v: parse_grid(v.split())[0] for v in args.variant}
