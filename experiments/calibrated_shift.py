@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -28,20 +27,11 @@ from kvblend.eval.datasets import load_dataset
 from kvblend.eval.harness import REFERENCE_CAPACITY, full_reference, prompt_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exact_selected import print_scores, score_against  # noqa: E402
-from key_drift import mean_shift, shift_keys, unrotated  # noqa: E402
+from exact_selected import print_scores  # noqa: E402
+from key_drift import mean_shift, reused_rows, scored_record, shift_keys, unrotated  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
 from dev_records import add_record_flags, open_records  # noqa: E402
-
-
-def reused_rows(engine, ids, reuse):
-    segs = engine.segments(ids)
-    reused = torch.zeros(len(ids), dtype=torch.bool)
-    for span in segs.chunks:
-        reused[span[0]:span[1]] = True
-    reused[: reuse.stats.prefix_hit_tokens] = False
-    return segs, reused
 
 
 @torch.inference_mode()
@@ -53,7 +43,8 @@ def calibrate(engine, records) -> torch.Tensor:
         ids = prompt_ids(engine, record)
         full, _, _ = full_reference(engine, ids)
         _, reuse = engine.prefill(ids, "reuse", REFERENCE_CAPACITY)
-        segs, reused = reused_rows(engine, ids, reuse)
+        segs = engine.segments(ids)
+        reused = reused_rows(ids, segs, reuse)
         for span in segs.chunks:
             rows = torch.arange(*span)[reused[span[0]:span[1]]]
             if rows.numel() == 0:
@@ -88,17 +79,9 @@ def main() -> None:
     after = range(check + 1, L)
     scores: dict[str, list] = {}
     for record in tqdm(records, desc="records"):
-        ids = prompt_ids(engine, record)
-        full, answer, ref = full_reference(engine, ids)
-        segs = engine.segments(ids)
-        score = score_against(engine, ids, answer, ref, segs.suffix[0], scores)
-
-        def prefill(mode, r=0.0):
-            return engine.prefill(ids, mode, REFERENCE_CAPACITY,
-                                  blend_cfg=replace(engine.blend_cfg, ratios=[r]) if mode == "blend" else None)[1]
-
+        ids, full, segs, score, prefill = scored_record(engine, record, scores)
         reuse = prefill("reuse")
-        _, reused = reused_rows(engine, ids, reuse)
+        reused = reused_rows(ids, segs, reuse)
         score("reuse", reuse.cache)
         for r in [float(x) for x in args.ratios.split(",")]:
             blend = prefill("blend", r)

@@ -62,6 +62,29 @@ def mean_shift(runner, layer, k_to, k_from, rows):
             - unrotated(runner, layer, k_from[layer][:, rows], rows)).mean(dim=1)
 
 
+def scored_record(engine, record, scores: dict):
+    """A record's prompt ids, full prefill, segments, a scorer against full's greedy answer
+    (exact_selected.score_against) and prefill(mode, ratio) with room for the answer."""
+    ids = prompt_ids(engine, record)
+    full, answer, ref = full_reference(engine, ids)
+    segs = engine.segments(ids)
+
+    def prefill(mode, r=0.0):
+        return engine.prefill(ids, mode, REFERENCE_CAPACITY,
+                              blend_cfg=replace(engine.blend_cfg, ratios=[r]) if mode == "blend" else None)[1]
+
+    return ids, full, segs, score_against(engine, ids, answer, ref, segs.suffix[0], scores), prefill
+
+
+def reused_rows(ids, segs, reuse) -> torch.Tensor:
+    """[T] bool: the rows a reuse prefill took from stored chunks (not the prefix cache's)."""
+    reused = torch.zeros(len(ids), dtype=torch.bool)
+    for span in segs.chunks:
+        reused[span[0]:span[1]] = True
+    reused[: reuse.stats.prefix_hit_tokens] = False
+    return reused
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_record_flags(ap, limit=6)
@@ -75,21 +98,10 @@ def main() -> None:
     check = min(engine.blend_cfg.check_layers)
     scores: dict[str, list] = {}
     for record in tqdm(records, desc="records"):
-        ids = prompt_ids(engine, record)
-        full, answer, ref = full_reference(engine, ids)
-        segs = engine.segments(ids)
-        score = score_against(engine, ids, answer, ref, segs.suffix[0], scores)
+        ids, full, segs, score, prefill = scored_record(engine, record, scores)
         fk, fv = full.cache.k, full.cache.v
-
-        def prefill(mode, r=0.0):
-            return engine.prefill(ids, mode, REFERENCE_CAPACITY,
-                                  blend_cfg=replace(engine.blend_cfg, ratios=[r]) if mode == "blend" else None)[1]
-
         reuse = prefill("reuse")
-        reused = torch.zeros(len(ids), dtype=torch.bool)
-        for span in segs.chunks:
-            reused[span[0]:span[1]] = True
-        reused[: reuse.stats.prefix_hit_tokens] = False
+        reused = reused_rows(ids, segs, reuse)
         score("reuse", reuse.cache)
         for with_v in (False, True):
             c = prefill("reuse")
