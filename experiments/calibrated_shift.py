@@ -24,11 +24,11 @@ import torch
 from tqdm import tqdm
 
 from kvblend.eval.datasets import load_dataset
-from kvblend.eval.harness import REFERENCE_CAPACITY, full_reference, prompt_ids
+from kvblend.eval.harness import prompt_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from exact_selected import print_scores  # noqa: E402
-from key_drift import mean_shift, reused_rows, scored_record, shift_keys, unrotated  # noqa: E402
+from key_drift import mean_shift, reused_rows, scored_record, shift_keys  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
 from dev_records import add_record_flags, open_records  # noqa: E402
@@ -41,19 +41,19 @@ def calibrate(engine, records) -> torch.Tensor:
     total, n, per_chunk = None, 0, []
     for record in tqdm(records, desc="calibration"):
         ids = prompt_ids(engine, record)
-        full, _, _ = full_reference(engine, ids)
-        _, reuse = engine.prefill(ids, "reuse", REFERENCE_CAPACITY)
+        engine.precompute(ids)
+        _, full = engine.prefill(ids, "full", 0)
+        _, reuse = engine.prefill(ids, "reuse", 0)
         segs = engine.segments(ids)
         reused = reused_rows(ids, segs, reuse)
         for span in segs.chunks:
             rows = torch.arange(*span)[reused[span[0]:span[1]]]
             if rows.numel() == 0:
                 continue
-            diff = torch.stack([(unrotated(runner, la, full.cache.k[la][:, rows], rows)
-                                 - unrotated(runner, la, reuse.cache.k[la][:, rows], rows)).sum(1) for la in range(L)])
-            total = diff if total is None else total + diff
+            shift = torch.stack([mean_shift(runner, la, full.cache.k, reuse.cache.k, rows) for la in range(L)])
+            total = shift * rows.numel() if total is None else total + shift * rows.numel()
             n += rows.numel()
-            per_chunk.append(diff / rows.numel())
+            per_chunk.append(shift)
     g = total / n
     chunks = torch.stack(per_chunk)  # [C, L, H, d]
     explained = 1 - ((chunks - g) ** 2).sum(-1) / (chunks ** 2).sum(-1).clamp(min=1e-9)  # [C, L, H]

@@ -49,7 +49,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--neighbour-context", action=argparse.BooleanOptionalAction, default=None,
                    help="precompute each chunk of a known collection after its most similar chunk (default: on)")
     p.add_argument("--neighbour-count", type=int,
-                   help="...after this many of its most similar chunks, the nearest last (default: 1)")
+                   help="precompute each chunk of a known collection after this many of its most similar "
+                        "chunks, the nearest last (default: 1)")
     p.add_argument("--neighbour-index", help="file of that index (default: neighbours.json in --local-disk)")
     p.add_argument("--exact-first-chunk", action=argparse.BooleanOptionalAction, default=None,
                    help="precompute also stores each chunk exact as a prompt's first chunk (default: on)")
