@@ -7,7 +7,9 @@ answer rows computed fresh against each cache):
 - `oracle K`: the shift measured on every stale row from full prefill's keys (an upper bound);
 - `oracle K+V`: the same for the values too;
 - `measured K`: blend's own estimate, from the rows it recomputed in that chunk (their fresh keys
-  against their stored ones), at the layers after the check, times each of --shrink.
+  against their stored ones), at the layers after the check, times each of --shrink;
+- `sampled K, n rows`: the oracle's shift taken on only n evenly spaced stale rows of each chunk
+  (--sample): what n rows per chunk computed fresh for the purpose could measure.
 
     python experiments/key_drift.py --model qwen2.5-coder-0.5b-instruct \\
         --data ../shared/data/hotpotqa_s.dev.json --offset 36 --limit 6 --ratios 0.08
@@ -90,11 +92,13 @@ def main() -> None:
     add_record_flags(ap, limit=6)
     ap.add_argument("--ratios", default="0.08")
     ap.add_argument("--shrink", default="1", help="scales on the measured shift, comma-separated")
+    ap.add_argument("--sample", default="", help="rows per chunk for the sampled shift, comma-separated")
     args = ap.parse_args()
     engine, records = open_records(args)
     runner, L = engine.runner, engine.runner.n_layers
     ratios = [float(r) for r in args.ratios.split(",")]
     shrinks = [float(x) for x in args.shrink.split(",")]
+    samples = [int(n) for n in args.sample.split(",") if n]
     check = min(engine.blend_cfg.check_layers)
     scores: dict[str, list] = {}
     for record in tqdm(records, desc="records"):
@@ -116,17 +120,21 @@ def main() -> None:
             stale = reused.clone()
             stale[torch.tensor(blend.stats.recomputed_positions, dtype=torch.long)] = False
             after = range(check + 1, L)
-            for label, measured, shrink in [("oracle K", False, 1.0)] + [(f"measured K x{x:g}", True, x) for x in shrinks]:
+            variants = ([("oracle K", "oracle", 1.0)] + [(f"measured K x{x:g}", "measured", x) for x in shrinks]
+                        + [(f"sampled K, {n} rows", "sampled", n) for n in samples])
+            for label, kind, arg in variants:
                 c = prefill("blend", r)
                 for span in segs.chunks:
                     chunk = torch.zeros(len(ids), dtype=torch.bool)
                     chunk[span[0]:span[1]] = True
-                    if measured:  # the chunk's recomputed rows: fresh keys against the stored ones
+                    if kind == "measured":  # the chunk's recomputed rows: fresh keys against the stored ones
                         rows = (chunk & reused & ~stale).nonzero().squeeze(1)
-                        of = lambda la, rows=rows, x=shrink: None if rows.numel() == 0 else x * mean_shift(  # noqa: E731
+                        of = lambda la, rows=rows, x=arg: None if rows.numel() == 0 else x * mean_shift(  # noqa: E731
                             runner, la, c.cache.k, reuse.cache.k, rows)
                     else:
                         rows = (chunk & stale).nonzero().squeeze(1)
+                        if kind == "sampled" and rows.numel() > arg:
+                            rows = rows[torch.linspace(0, rows.numel() - 1, arg).round().long()]
                         of = lambda la, rows=rows: mean_shift(runner, la, fk, c.cache.k, rows)  # noqa: E731
                     shift_keys(runner, c.cache, after, span, stale, of)
                 score(f"blend {r:g}, {label}", c.cache)

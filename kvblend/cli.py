@@ -45,6 +45,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="selector score = attention^p x deviation (default: 1; 0: deviation alone among the candidates)")
     p.add_argument("--stale-key-shift", type=float,
                    help="after the check, move stale keys by this share of their chunk's measured shift (default: 0)")
+    p.add_argument("--shift-rows", type=int,
+                   help="with --stale-key-shift, rows of each chunk computed to measure the shift (default: 0: "
+                        "the selected rows measure it)")
     p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
     p.add_argument("--neighbour-context", action=argparse.BooleanOptionalAction, default=None,
                    help="precompute each chunk of a known collection after its most similar chunk (default: on)")
@@ -101,7 +104,7 @@ def _settings(args):
                          probe_layers=args.probe_layers, check_candidates=args.check_candidates,
                          probe_separators=args.probe_separators, probe_attention_from=args.probe_attention_from,
                          probe_suffix_tokens=args.probe_suffix_tokens, attention_power=args.attention_power,
-                         stale_key_shift=args.stale_key_shift,
+                         stale_key_shift=args.stale_key_shift, shift_rows=args.shift_rows,
                          chunk_context=args.chunk_context,
                          neighbour_context=args.neighbour_context, neighbour_index=args.neighbour_index,
                          neighbour_count=args.neighbour_count,

@@ -19,7 +19,7 @@ import torch
 
 from ..model.runner import KVCache, Rows, Runner
 from .loader import ChunkLoader
-from .key_shift import StaleKeyShift
+from .key_shift import StaleKeyShift, spread_rows
 from .plan import Plan
 from .select import attend_with_mass, deviation, n_selected, top_tokens, weighted
 
@@ -75,6 +75,10 @@ class BlendConfig:
     # measure (their fresh keys minus their stored ones, before the rotation; 0: off). See
     # blend/key_shift.py and docs/experiments.md#qwen25-05b-where-blends-error-comes-from.
     stale_key_shift: float = 0.0
+    # With stale_key_shift: `shift_rows` evenly spaced rows of each reused chunk are computed to the
+    # end beside the selected ones, and they alone measure the chunk's shift (0: the selected rows
+    # measure it). The selected rows sit where the deviation is largest, a biased sample of the chunk.
+    shift_rows: int = 0
 
     def __post_init__(self):
         if self.check_candidates and self.check_candidates < 1:
@@ -93,6 +97,8 @@ class BlendConfig:
             raise ValueError(f"stale_key_scale must be in (0, 1], got {self.stale_key_scale}")
         if not 0 <= self.stale_key_shift <= 1:
             raise ValueError(f"stale_key_shift must be in [0, 1] (0: off), got {self.stale_key_shift}")
+        if self.shift_rows < 0:
+            raise ValueError(f"shift_rows must be >= 0, got {self.shift_rows}")
         if len(self.ratios) == 1 and len(self.check_layers) > 1:
             self.ratios = self.ratios * len(self.check_layers)
         if len(self.ratios) != len(self.check_layers):
@@ -133,11 +139,13 @@ class PrefillOutput:
 
 class Selector:
     """At each check layer, which of the active rows go on: every must-compute row, and the
-    reused rows with the highest scores, `ratio` of all reused rows."""
+    reused rows with the highest scores, `ratio` of all reused rows. `fixed` reused rows (a mask)
+    always go on, beside that budget."""
 
     def __init__(self, checks: dict[int, float], cfg: BlendConfig, reused: torch.Tensor,
-                 attention: torch.Tensor | None):
+                 attention: torch.Tensor | None, fixed: torch.Tensor | None = None):
         self.checks, self.reused, self.attention = checks, reused, attention
+        self.choosable = reused if fixed is None else reused & ~fixed
         self.signal, self.check_layer_kv, self.power = cfg.deviation, cfg.check_layer_kv, cfg.attention_power
         self.n_reused, self.budget = int(reused.sum()), cfg.budget
 
@@ -146,7 +154,7 @@ class Selector:
         """A mask over the active rows, or None where `layer` is no check layer."""
         if layer not in self.checks:
             return None
-        cand = self.reused[active]  # reused rows still active: the candidates
+        cand = self.choosable[active]  # reused rows still active: the candidates
         cand_idx = cand.nonzero().squeeze(1)
         cand_pos = active[cand_idx]
         score = deviation(self.signal, k[:, cand_idx], cache.k[layer][:, cand_pos],
@@ -269,7 +277,7 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
 def candidates(attention: torch.Tensor, reused: torch.Tensor, must: torch.Tensor, n_keep: int,
                factor: float) -> torch.Tensor:
     """Positions the layers before the check compute: the must-compute rows and the `factor` x
-    `n_keep` reused rows with the most attention from the probe, ascending."""
+    `n_keep` `reused` rows (those not among `must`) with the most attention from the probe, ascending."""
     reused_pos = reused.nonzero().squeeze(1)
     n = min(reused_pos.numel(), math.ceil(factor * n_keep))
     top = reused_pos[torch.topk(attention[reused_pos], n, sorted=False).indices]
@@ -342,15 +350,20 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
                                mass_from=min(round(cfg.probe_attention_from * L), probe_depth - 1))
             computed, attention = probe.computed, probe.attention
             stale.hide(None)
-        selector = Selector(checks, cfg, reused, attention) if checks else None
+        shift, fixed = None, None
+        if checks and cfg.stale_key_shift:
+            chunk_of = plan.chunk_index().to(dev)
+            if cfg.shift_rows:
+                fixed = torch.zeros_like(reused)
+                fixed[spread_rows(chunk_of, cfg.shift_rows)] = True
+            shift = StaleKeyShift(runner, cfg.stale_key_shift, chunk_of, measure=fixed)
+        selector = Selector(checks, cfg, reused, attention, fixed) if checks else None
         if attention is not None and cfg.check_candidates:
-            active = candidates(attention, reused, must, cfg.budget(checks[min(checks)], selector.n_reused),
-                                cfg.check_candidates)
+            blend_must = must if fixed is None else torch.cat([must, fixed.nonzero().squeeze(1)])
+            active = candidates(attention, selector.choosable, blend_must,
+                                cfg.budget(checks[min(checks)], selector.n_reused), cfg.check_candidates)
             stale.exact_below = 1  # layer 0's loaded KV is exact for the rows not computed there
         stats.checked_positions = active.tolist()
-        shift = None
-        if selector is not None and cfg.stale_key_shift:
-            shift = StaleKeyShift(runner, cfg.stale_key_shift, plan.chunk_index().to(dev))
         out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, stale, selector,
                          key_shift=shift)
     finally:

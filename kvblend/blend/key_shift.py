@@ -15,10 +15,23 @@ import torch
 from ..model.runner import KVCache, Runner
 
 
+def spread_rows(chunk_of: torch.Tensor, n: int) -> torch.Tensor:
+    """Positions of `n` evenly spaced rows of each chunk (all of a shorter one's), first and last
+    included. chunk_of [T]: each position's chunk (0, 1, ...), -1 outside the reused chunks."""
+    picked = []
+    for c in range(int(chunk_of.max()) + 1 if chunk_of.numel() else 0):
+        rows = (chunk_of == c).nonzero().squeeze(1)
+        if rows.numel() > n:
+            rows = rows[torch.linspace(0, rows.numel() - 1, n, device=rows.device).round().long()]
+        picked.append(rows)
+    return torch.cat(picked) if picked else chunk_of.new_zeros(0)
+
+
 class StaleKeyShift:
-    def __init__(self, runner: Runner, scale: float, chunk_of: torch.Tensor):
-        """chunk_of [T]: each position's chunk (0, 1, ...), -1 outside the reused chunks."""
-        self.runner, self.scale, self.chunk_of = runner, scale, chunk_of
+    def __init__(self, runner: Runner, scale: float, chunk_of: torch.Tensor, measure: torch.Tensor | None = None):
+        """chunk_of [T]: each position's chunk (0, 1, ...), -1 outside the reused chunks. `measure`
+        [T] bool: the rows that measure the shift where they are computed (None: every computed row)."""
+        self.runner, self.scale, self.chunk_of, self.measure = runner, scale, chunk_of, measure
         self.n_chunks = int(chunk_of.max()) + 1 if chunk_of.numel() else 0
         # The rows a check leaves are the same at every later layer: what depends on them alone
         # (their chunks and counts, their rotations back to position 0, the stale rows') is built once.
@@ -32,6 +45,8 @@ class StaleKeyShift:
         if self._computed is not computed:
             chunks = self.chunk_of[computed]
             measured = chunks >= 0
+            if self.measure is not None:
+                measured &= self.measure[computed]
             rows = computed[measured]
             # Back to position 0: the loader's re-rotation, by minus each row's position.
             self._computed = computed

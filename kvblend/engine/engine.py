@@ -93,7 +93,8 @@ class Engine:
                                      s.weight_by_attention, self._stale_key_scale(neighbours=False),
                                      s.probe_layers, s.check_candidates, s.probe_separators,
                                      s.probe_attention_from, s.probe_suffix_tokens, s.min_recompute_tokens,
-                                     s.attention_power, s.probe_reads_copies(), s.stale_key_shift)
+                                     s.attention_power, s.probe_reads_copies(), s.stale_key_shift,
+                                     s.shift_rows)
         bos = getattr(self.tokenizer, "bos_token_id", None)
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
         # Models without a tokenizer (tests' tiny random models) name their separator ids.
