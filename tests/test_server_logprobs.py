@@ -67,7 +67,11 @@ def test_chat_logprobs_through_the_openai_client_streamed_or_not(server):
         assert entry.top_logprobs[0].logprob == entry.logprob and bytes(entry.bytes) == entry.token.encode()
     streamed = [e for chunk in client.chat.completions.create(stream=True, **kw)
                 if chunk.choices[0].logprobs for e in chunk.choices[0].logprobs.content]
-    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    # The same tokens, and logprobs up to the last bits of fp32: the second request can read the first
+    # one's prefix cache, so its rows go through matmuls of another shape (on an AVX2-only CPU in
+    # fp32 that moves the last bits).
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
     plain = client.chat.completions.create(**{**kw, "logprobs": None, "top_logprobs": None})
     assert plain.choices[0].logprobs is None
 
