@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvblend.blend.key_shift import evenly_spaced
 from kvblend.eval.harness import REFERENCE_CAPACITY, full_reference, prompt_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -133,8 +134,8 @@ def main() -> None:
                             runner, la, c.cache.k, reuse.cache.k, rows)
                     else:
                         rows = (chunk & stale).nonzero().squeeze(1)
-                        if kind == "sampled" and rows.numel() > arg:
-                            rows = rows[torch.linspace(0, rows.numel() - 1, arg).round().long()]
+                        if kind == "sampled":
+                            rows = evenly_spaced(rows, arg)
                         of = lambda la, rows=rows: mean_shift(runner, la, fk, c.cache.k, rows)  # noqa: E731
                     shift_keys(runner, c.cache, after, span, stale, of)
                 score(f"blend {r:g}, {label}", c.cache)

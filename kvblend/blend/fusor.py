@@ -144,7 +144,7 @@ class Selector:
 
     def __init__(self, checks: dict[int, float], cfg: BlendConfig, reused: torch.Tensor,
                  attention: torch.Tensor | None, fixed: torch.Tensor | None = None):
-        self.checks, self.reused, self.attention = checks, reused, attention
+        self.checks, self.attention = checks, attention
         self.choosable = reused if fixed is None else reused & ~fixed
         self.signal, self.check_layer_kv, self.power = cfg.deviation, cfg.check_layer_kv, cfg.attention_power
         self.n_reused, self.budget = int(reused.sum()), cfg.budget

@@ -15,15 +15,19 @@ import torch
 from ..model.runner import KVCache, Runner
 
 
+def evenly_spaced(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """`n` evenly spaced entries of `rows`, first and last included (all of them where there are fewer)."""
+    if rows.numel() <= n:
+        return rows
+    return rows[torch.linspace(0, rows.numel() - 1, n, device=rows.device).round().long()]
+
+
 def spread_rows(chunk_of: torch.Tensor, n: int) -> torch.Tensor:
     """Positions of `n` evenly spaced rows of each chunk (all of a shorter one's), first and last
     included. chunk_of [T]: each position's chunk (0, 1, ...), -1 outside the reused chunks."""
     picked = []
     for c in range(int(chunk_of.max()) + 1 if chunk_of.numel() else 0):
-        rows = (chunk_of == c).nonzero().squeeze(1)
-        if rows.numel() > n:
-            rows = rows[torch.linspace(0, rows.numel() - 1, n, device=rows.device).round().long()]
-        picked.append(rows)
+        picked.append(evenly_spaced((chunk_of == c).nonzero().squeeze(1), n))
     return torch.cat(picked) if picked else chunk_of.new_zeros(0)
 
 
