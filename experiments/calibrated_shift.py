@@ -1,13 +1,19 @@
 """Is the stale keys' shift the same for every chunk, so that one vector per layer, measured once
 per model on calibration records, could stand for it?
 
-Calibration (--calib-offset/--calib-limit of the same file): per layer and KV head, the mean over
-every reused row of full prefill's keys minus the stored ones, rotated back to position 0; printed
-with how much of each chunk's own mean shift it explains (1 - |chunk - global|^2 / |chunk|^2).
+Calibration (--calib-offset/--calib-limit of --calib-data, default the same file; --calib-cache
+keeps it for the next run): per layer and KV head, the mean over every reused row of full
+prefill's keys minus the stored ones, rotated back to position 0, once over every chunk, once per
+chunk index in the prompt, and as a line in the log of the chunk's first position (does the shift
+grow with the context in front of a chunk?); printed with how much of each chunk's own mean shift
+each explains (1 - |chunk - fit|^2 / |chunk|^2).
 Then, on the scored records, teacher-forced against full's greedy answer:
 - `blend r`: the engine as it is;
 - `blend r, calibrated x s`: its stale rows, at the layers after the check, shifted by s times the
   calibrated vector;
+- `blend r, per chunk index x s`: the same with the vector calibrated for the chunk's index in the
+  prompt (the last calibrated index stands for any later one);
+- `blend r, line in log(start) x s`: the same with the line's vector at the chunk's first position;
 - `blend r, oracle`: shifted by each chunk's own mean (from full prefill; an upper bound).
 
     python experiments/calibrated_shift.py --model qwen2.5-coder-0.5b-instruct \\
@@ -17,6 +23,7 @@ Then, on the scored records, teacher-forced against full's greedy answer:
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -24,7 +31,7 @@ import torch
 from tqdm import tqdm
 
 from kvblend.eval.datasets import load_dataset
-from kvblend.eval.harness import prompt_ids
+from kvblend.eval.harness import index_dataset, prompt_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from exact_selected import print_scores  # noqa: E402
@@ -35,10 +42,11 @@ from dev_records import add_record_flags, open_records  # noqa: E402
 
 
 @torch.inference_mode()
-def calibrate(engine, records) -> torch.Tensor:
-    """The mean unrotated key shift [L, Hkv, d] over every reused row of `records`."""
+def calibrate(engine, records) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    """The mean unrotated key shift [L, Hkv, d] over every reused row of `records`, and the same
+    per chunk index in the prompt (does the shift grow with the context in front of a chunk?)."""
     runner, L = engine.runner, engine.runner.n_layers
-    total, n, per_chunk = None, 0, []
+    per_chunk, weights, index, starts = [], [], [], []
     for record in tqdm(records, desc="calibration"):
         ids = prompt_ids(engine, record)
         engine.precompute(ids)
@@ -46,22 +54,45 @@ def calibrate(engine, records) -> torch.Tensor:
         _, reuse = engine.prefill(ids, "reuse", 0)
         segs = engine.segments(ids)
         reused = reused_rows(ids, segs, reuse)
-        for span in segs.chunks:
+        for i, span in enumerate(segs.chunks):
             rows = torch.arange(*span)[reused[span[0]:span[1]]]
             if rows.numel() == 0:
                 continue
-            shift = torch.stack([mean_shift(runner, la, full.cache.k, reuse.cache.k, rows) for la in range(L)])
-            total = shift * rows.numel() if total is None else total + shift * rows.numel()
-            n += rows.numel()
-            per_chunk.append(shift)
-    g = total / n
-    chunks = torch.stack(per_chunk)  # [C, L, H, d]
-    explained = 1 - ((chunks - g) ** 2).sum(-1) / (chunks ** 2).sum(-1).clamp(min=1e-9)  # [C, L, H]
-    print("layer | |global shift| | mean |chunk shift| | share of a chunk's shift explained (median)")
-    for la in range(L):
+            per_chunk.append(torch.stack([mean_shift(runner, la, full.cache.k, reuse.cache.k, rows) for la in range(L)]))
+            weights.append(rows.numel())
+            index.append(i)
+            starts.append(span[0])
+    return torch.stack(per_chunk), torch.tensor(weights, dtype=torch.float32), torch.tensor(index), torch.tensor(starts)
+
+
+def fit(chunks, w, index, starts):
+    """The global mean, the mean per chunk index, and a per-element line in log(chunk start)."""
+
+    def mean_of(sel):
+        return (chunks[sel] * w[sel, None, None, None]).sum(0) / w[sel].sum()
+
+    g = mean_of(torch.ones_like(index, dtype=torch.bool))
+    by_index = {int(i): mean_of(index == i) for i in index.unique()}
+    g_idx = torch.stack([by_index[int(i)] for i in index])
+    x = torch.log(starts.float())
+    X = torch.stack([torch.ones_like(x), x], 1) * w.sqrt()[:, None]  # weighted least squares
+    coef = torch.linalg.lstsq(X, chunks.flatten(1) * w.sqrt()[:, None]).solution  # [2, L*H*d]
+    line = coef.view(2, *chunks.shape[1:])
+    g_pos = line[0] + line[1] * x[:, None, None, None]
+
+    def explained(ref):  # [C, L, H]: 1 - |chunk - ref|^2 / |chunk|^2
+        return 1 - ((chunks - ref) ** 2).sum(-1) / (chunks ** 2).sum(-1).clamp(min=1e-9)
+
+    e_g, e_i, e_p = explained(g), explained(g_idx), explained(g_pos)
+    print("layer | |global shift| | mean |chunk shift| | share of a chunk's shift explained (median): "
+          "global, per chunk index, line in log(start)")
+    for la in range(chunks.shape[1]):
         print(f"{la:5d} | {g[la].norm(dim=-1).mean():.3f} | {chunks[:, la].norm(dim=-1).mean():.3f} "
-              f"| {explained[:, la].median():.3f}")
-    return g
+              f"| {e_g[:, la].median():.3f}, {e_i[:, la].median():.3f}, {e_p[:, la].median():.3f}")
+    print("chunk index | chunks | mean |shift| over layers and heads")
+    for i, v in by_index.items():
+        print(f"{i:11d} | {int((index == i).sum()):6d} | {v.norm(dim=-1).mean():.3f}")
+    return g, by_index, line
 
 
 def main() -> None:
@@ -69,12 +100,23 @@ def main() -> None:
     add_record_flags(ap, limit=12)
     ap.add_argument("--calib-offset", type=int, default=50)
     ap.add_argument("--calib-limit", type=int, default=20)
+    ap.add_argument("--calib-data", help="calibration records' file (default: --data)")
+    ap.add_argument("--calib-cache", help="a .pt file: the calibration is loaded from it if it exists, else saved")
     ap.add_argument("--ratios", default="0.08")
     ap.add_argument("--scales", default="0.5,1", help="scales on the calibrated shift, comma-separated")
     args = ap.parse_args()
     engine, records = open_records(args)
     runner, L = engine.runner, engine.runner.n_layers
-    g = calibrate(engine, load_dataset(args.data, limit=args.calib_limit, offset=args.calib_offset))
+    calib_data = args.calib_data or args.data
+    if args.calib_cache and Path(args.calib_cache).exists():
+        measured = torch.load(args.calib_cache)
+    else:
+        if calib_data != args.data:
+            index_dataset(engine, load_dataset(calib_data))
+        measured = calibrate(engine, load_dataset(calib_data, limit=args.calib_limit, offset=args.calib_offset))
+        if args.calib_cache:
+            torch.save(measured, args.calib_cache)
+    g, by_index, line = fit(*measured)
     check = min(engine.blend_cfg.check_layers)
     after = range(check + 1, L)
     scores: dict[str, list] = {}
@@ -93,6 +135,16 @@ def main() -> None:
                 for span in segs.chunks:
                     shift_keys(runner, c.cache, after, span, stale, lambda la, s=s: s * g[la])
                 score(f"blend {r:g}, calibrated x{s:g}", c.cache)
+                c = prefill("blend", r)
+                for i, span in enumerate(segs.chunks):
+                    gi = by_index.get(i, by_index[max(by_index)])
+                    shift_keys(runner, c.cache, after, span, stale, lambda la, s=s, gi=gi: s * gi[la])
+                score(f"blend {r:g}, per chunk index x{s:g}", c.cache)
+                c = prefill("blend", r)
+                for span in segs.chunks:
+                    gp = line[0] + line[1] * math.log(span[0])
+                    shift_keys(runner, c.cache, after, span, stale, lambda la, s=s, gp=gp: s * gp[la])
+                score(f"blend {r:g}, line in log(start) x{s:g}", c.cache)
             c = prefill("blend", r)
             for span in segs.chunks:
                 rows = torch.arange(*span)[stale[span[0]:span[1]]]
