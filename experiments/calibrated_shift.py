@@ -42,9 +42,9 @@ from dev_records import add_record_flags, open_records  # noqa: E402
 
 
 @torch.inference_mode()
-def calibrate(engine, records) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """The mean unrotated key shift [L, Hkv, d] over every reused row of `records`, and the same
-    per chunk index in the prompt (does the shift grow with the context in front of a chunk?)."""
+def calibrate(engine, records) -> tuple[torch.Tensor, ...]:
+    """Per reused chunk of `records`: its mean unrotated key shift [C, L, Hkv, d], its reused rows
+    (the weights), its index in the prompt and its first position."""
     runner, L = engine.runner, engine.runner.n_layers
     per_chunk, weights, index, starts = [], [], [], []
     for record in tqdm(records, desc="calibration"):
