@@ -117,6 +117,10 @@ def main() -> None:
         if args.calib_cache:
             torch.save(measured, args.calib_cache)
     g, by_index, line = fit(*measured)
+    # Each fit's vector [L, Hkv, d] for the chunk at index i spanning `span`.
+    fits = {"calibrated": lambda i, span: g,
+            "per chunk index": lambda i, span: by_index.get(i, by_index[max(by_index)]),
+            "line in log(start)": lambda i, span: line[0] + line[1] * math.log(span[0])}
     check = min(engine.blend_cfg.check_layers)
     after = range(check + 1, L)
     scores: dict[str, list] = {}
@@ -131,20 +135,12 @@ def main() -> None:
             stale = reused.clone()
             stale[torch.tensor(blend.stats.recomputed_positions, dtype=torch.long)] = False
             for s in [float(x) for x in args.scales.split(",")]:
-                c = prefill("blend", r)
-                for span in segs.chunks:
-                    shift_keys(runner, c.cache, after, span, stale, lambda la, s=s: s * g[la])
-                score(f"blend {r:g}, calibrated x{s:g}", c.cache)
-                c = prefill("blend", r)
-                for i, span in enumerate(segs.chunks):
-                    gi = by_index.get(i, by_index[max(by_index)])
-                    shift_keys(runner, c.cache, after, span, stale, lambda la, s=s, gi=gi: s * gi[la])
-                score(f"blend {r:g}, per chunk index x{s:g}", c.cache)
-                c = prefill("blend", r)
-                for span in segs.chunks:
-                    gp = line[0] + line[1] * math.log(span[0])
-                    shift_keys(runner, c.cache, after, span, stale, lambda la, s=s, gp=gp: s * gp[la])
-                score(f"blend {r:g}, line in log(start) x{s:g}", c.cache)
+                for name, vector in fits.items():
+                    c = prefill("blend", r)
+                    for i, span in enumerate(segs.chunks):
+                        v = vector(i, span)
+                        shift_keys(runner, c.cache, after, span, stale, lambda la, s=s, v=v: s * v[la])
+                    score(f"blend {r:g}, {name} x{s:g}", c.cache)
             c = prefill("blend", r)
             for span in segs.chunks:
                 rows = torch.arange(*span)[stale[span[0]:span[1]]]
