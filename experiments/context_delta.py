@@ -35,7 +35,7 @@ from kvblend.eval.harness import prompt_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from exact_selected import print_scores  # noqa: E402
-from key_drift import mean_shift, reused_rows, scored_record, shift_keys, unrotated  # noqa: E402
+from key_drift import mean_shift, reused_rows, score_oracle_shift, scored_record, shift_keys, unrotated  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
 from dev_records import add_record_flags, open_records  # noqa: E402
@@ -148,12 +148,7 @@ def main() -> None:
                         shift_keys(runner, c.cache, after, segs.chunks[i], stale,
                                    lambda la, d=d, al=alpha(i): s * al[la] * d[la])
                     score(f"blend {r:g}, {name} x{s:g}", c.cache)
-            c = prefill("blend", r)
-            for span in segs.chunks:
-                rows = torch.arange(*span)[stale[span[0]:span[1]]]
-                shift_keys(runner, c.cache, after, span, stale,
-                           lambda la, rows=rows: mean_shift(runner, la, full.cache.k, c.cache.k, rows))
-            score(f"blend {r:g}, oracle", c.cache)
+            score_oracle_shift(runner, prefill, r, segs, stale, full.cache.k, after, score)
     print_scores(args, engine, len(records), scores)
 
 

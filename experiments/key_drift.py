@@ -65,6 +65,17 @@ def mean_shift(runner, layer, k_to, k_from, rows):
             - unrotated(runner, layer, k_from[layer][:, rows], rows)).mean(dim=1)
 
 
+def score_oracle_shift(runner, prefill, r: float, segs, stale, full_k, layers, score) -> None:
+    """Blend at ratio r with each chunk's stale keys at `layers` shifted by their own mean shift
+    from full prefill's keys `full_k` (an upper bound), scored as `blend r, oracle`."""
+    c = prefill("blend", r)
+    for span in segs.chunks:
+        rows = torch.arange(*span)[stale[span[0]:span[1]]]
+        shift_keys(runner, c.cache, layers, span, stale,
+                   lambda la, rows=rows: mean_shift(runner, la, full_k, c.cache.k, rows))
+    score(f"blend {r:g}, oracle", c.cache)
+
+
 def scored_record(engine, record, scores: dict):
     """A record's prompt ids, full prefill, segments, a scorer against full's greedy answer
     (exact_selected.score_against) and prefill(mode, ratio) with room for the answer."""
