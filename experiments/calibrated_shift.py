@@ -35,7 +35,8 @@ from kvblend.eval.harness import index_dataset, prompt_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from exact_selected import print_scores  # noqa: E402
-from key_drift import mean_shift, reused_rows, score_oracle_shift, scored_record, shift_keys  # noqa: E402
+from key_drift import (cached, mean_shift, reused_rows, score_chunk_shifts, score_oracle_shift,  # noqa: E402
+                       scored_record)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
 from dev_records import add_record_flags, open_records  # noqa: E402
@@ -108,14 +109,13 @@ def main() -> None:
     engine, records = open_records(args)
     runner, L = engine.runner, engine.runner.n_layers
     calib_data = args.calib_data or args.data
-    if args.calib_cache and Path(args.calib_cache).exists():
-        measured = torch.load(args.calib_cache)
-    else:
+
+    def calibration():
         if calib_data != args.data:
             index_dataset(engine, load_dataset(calib_data))
-        measured = calibrate(engine, load_dataset(calib_data, limit=args.calib_limit, offset=args.calib_offset))
-        if args.calib_cache:
-            torch.save(measured, args.calib_cache)
+        return calibrate(engine, load_dataset(calib_data, limit=args.calib_limit, offset=args.calib_offset))
+
+    measured = cached(args.calib_cache, calibration)
     g, by_index, line = fit(*measured)
     # Each fit's vector [L, Hkv, d] for the chunk at index i spanning `span`.
     fits = {"calibrated": lambda i, span: g,
@@ -136,11 +136,9 @@ def main() -> None:
             stale[torch.tensor(blend.stats.recomputed_positions, dtype=torch.long)] = False
             for s in [float(x) for x in args.scales.split(",")]:
                 for name, vector in fits.items():
-                    c = prefill("blend", r)
-                    for i, span in enumerate(segs.chunks):
-                        v = vector(i, span)
-                        shift_keys(runner, c.cache, after, span, stale, lambda la, s=s, v=v: s * v[la])
-                    score(f"blend {r:g}, {name} x{s:g}", c.cache)
+                    score_chunk_shifts(runner, prefill, r, segs, stale, after,
+                                       {i: s * vector(i, span) for i, span in enumerate(segs.chunks)},
+                                       f"blend {r:g}, {name} x{s:g}", score)
             score_oracle_shift(runner, prefill, r, segs, stale, full.cache.k, after, score)
     print_scores(args, engine, len(records), scores)
 

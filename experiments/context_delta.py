@@ -35,7 +35,8 @@ from kvblend.eval.harness import prompt_ids
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from exact_selected import print_scores  # noqa: E402
-from key_drift import mean_shift, reused_rows, score_oracle_shift, scored_record, shift_keys, unrotated  # noqa: E402
+from key_drift import (cached, mean_shift, reused_rows, score_chunk_shifts, score_oracle_shift,  # noqa: E402
+                       scored_record, unrotated)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
 from dev_records import add_record_flags, open_records  # noqa: E402
@@ -119,12 +120,8 @@ def main() -> None:
     args = ap.parse_args()
     engine, records = open_records(args)
     runner, L = engine.runner, engine.runner.n_layers
-    if args.calib_cache and Path(args.calib_cache).exists():
-        measured = torch.load(args.calib_cache)
-    else:
-        measured = calibrate(engine, load_dataset(args.data, limit=args.calib_limit, offset=args.calib_offset))
-        if args.calib_cache:
-            torch.save(measured, args.calib_cache)
+    measured = cached(args.calib_cache, lambda: calibrate(
+        engine, load_dataset(args.data, limit=args.calib_limit, offset=args.calib_offset)))
     a, by_index = fit(*measured)
     fits = {"delta x alpha": lambda i: a,
             "delta x alpha per index": lambda i: by_index.get(i, by_index[max(by_index)])}
@@ -143,11 +140,9 @@ def main() -> None:
             stale[torch.tensor(blend.stats.recomputed_positions, dtype=torch.long)] = False
             for s in [float(x) for x in args.scales.split(",")]:
                 for name, alpha in fits.items():
-                    c = prefill("blend", r)
-                    for i, d in deltas.items():
-                        shift_keys(runner, c.cache, after, segs.chunks[i], stale,
-                                   lambda la, d=d, al=alpha(i): s * al[la] * d[la])
-                    score(f"blend {r:g}, {name} x{s:g}", c.cache)
+                    score_chunk_shifts(runner, prefill, r, segs, stale, after,
+                                       {i: s * alpha(i)[:, None, None] * d for i, d in deltas.items()},
+                                       f"blend {r:g}, {name} x{s:g}", score)
             score_oracle_shift(runner, prefill, r, segs, stale, full.cache.k, after, score)
     print_scores(args, engine, len(records), scores)
 

@@ -76,6 +76,26 @@ def score_oracle_shift(runner, prefill, r: float, segs, stale, full_k, layers, s
     score(f"blend {r:g}, oracle", c.cache)
 
 
+def score_chunk_shifts(runner, prefill, r: float, segs, stale, layers, vectors: dict, label: str, score) -> None:
+    """Blend at ratio r with the stale keys of chunk i at `layers` shifted by vectors[i][layer]
+    ([L, Hkv, d], before rotation), scored as `label`."""
+    c = prefill("blend", r)
+    for i, v in vectors.items():
+        shift_keys(runner, c.cache, layers, segs.chunks[i], stale, lambda la, v=v: v[la])
+    score(label, c.cache)
+
+
+def cached(path: str | None, compute):
+    """compute()'s result, loaded from the .pt file `path` where it exists, else computed and saved
+    there (when a path is given): a slow calibration runs once."""
+    if path and Path(path).exists():
+        return torch.load(path)
+    out = compute()
+    if path:
+        torch.save(out, path)
+    return out
+
+
 def scored_record(engine, record, scores: dict):
     """A record's prompt ids, full prefill, segments, a scorer against full's greedy answer
     (exact_selected.score_against) and prefill(mode, ratio) with room for the answer."""
