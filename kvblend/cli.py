@@ -79,6 +79,8 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefetch-depth", type=int, help="layers read ahead of compute (default: every layer)")
     p.add_argument("--kv-int8", action=argparse.BooleanOptionalAction, default=None,
                    help="store chunk KV as int8 with a scale per token and head")
+    p.add_argument("--kv-half", action=argparse.BooleanOptionalAction, default=None,
+                   help="where the model computes in float32, store chunk KV in bfloat16 (default: on)")
     p.add_argument("--compact-probe", action=argparse.BooleanOptionalAction, default=None,
                    help="with the loading controller off, the attention probe always reads the compact int4 "
                         "copies of disk and Redis entries (default: they are stored and read where the "
@@ -89,7 +91,7 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
 
 
 _STORE_FIELDS = ("local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size", "remote_url",
-                 "max_remote_size", "remote_ttl", "layerwise", "prefetch_depth", "kv_int8", "compact_probe",
+                 "max_remote_size", "remote_ttl", "layerwise", "prefetch_depth", "kv_int8", "kv_half", "compact_probe",
                  "loading_controller")
 
 

@@ -184,6 +184,10 @@ class Settings(BaseSettings):
     # Store chunk KV as int8 with a float16 scale per token and head (exact prefix blocks stay
     # exact): about a quarter of fp32's bytes; its fidelity cost: docs/storage.md#int8.
     kv_int8: bool = False
+    # Where the model computes in float32 (CPUs without fast bf16), store chunk KV in bfloat16: half
+    # the bytes to keep and read on every tier, converted as it is loaded; its fidelity cost is far
+    # below blend's own (docs/storage.md#half-precision). Exact prefix blocks stay exact.
+    kv_half: bool = True
     # Disk and Redis entries of chunks also hold a compact int4 copy of their KV (about 28% more
     # bytes at bf16) that only blend's attention probe reads: on a slow tier (a few hundred MB/s
     # or less) the probe then finishes early while the full KV streams in behind it for the blend

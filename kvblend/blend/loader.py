@@ -149,7 +149,8 @@ class ChunkLoader:
             spans = [(offset, offset + end - start) for _, offset, start, end, _ in parts]
             self._batches[key] = dest, tables, spans
         dest, tables, spans = self._batches[key]
-        k = torch.cat([kv[0][:, a:b] for (_, kv), (a, b) in zip(moved, spans)], dim=1).to(self.runner.device)
+        k = torch.cat([kv[0][:, a:b] for (_, kv), (a, b) in zip(moved, spans)], dim=1)
+        k = k.to(self.runner.device, self.cache.k.dtype)  # half-stored K is rotated in the cache's dtype
         v = torch.cat([kv[1][:, a:b] for (_, kv), (a, b) in zip(moved, spans)], dim=1)
         self.cache.k[layer][:, dest] = self.runner.rerotate(layer, k, tables)
         self.cache.v[layer][:, dest] = v.to(self.runner.device)

@@ -91,15 +91,16 @@ class KeyScheme:
     """Everything that must agree for two requests to share KV, bound to one model."""
 
     def __init__(self, namespace: str, fingerprint: str, dtype: torch.dtype, chunk_context: str,
-                 block: int, bos_id: int | None, int8: bool = False, sep_ids: list[int] | None = None):
+                 block: int, bos_id: int | None, storage: str = "", sep_ids: list[int] | None = None):
         if chunk_context not in CHUNK_CONTEXTS:
             raise ValueError(f"unknown chunk context {chunk_context!r}; choose one of {CHUNK_CONTEXTS}")
         if chunk_context == "bos" and bos_id is None:
             raise ValueError("chunk context 'bos' needs a tokenizer with a BOS token")
         self.namespace, self.fingerprint = namespace, fingerprint
         self.dtype = str(dtype).removeprefix("torch.")
-        # int8-stored chunks are other KV than the model's own: they never share a key.
-        self.chunk_dtype = self.dtype + ("+int8" if int8 else "")
+        # Chunks stored in another form (a ChunkKV's `quant`: "bf16", "int8") are other KV than the
+        # model's own: they never share a key.
+        self.chunk_dtype = self.dtype + (f"+{storage}" if storage else "")
         self.chunk_context, self.block, self.bos_id = chunk_context, block, bos_id
         self.sep_ids = list(sep_ids or [])
         self.neighbours: NeighbourIndex | None = None  # set when a collection is indexed

@@ -30,6 +30,7 @@ from ..model.runner import Runner
 from ..store.chunk_kv import ChunkKV
 from ..store.entry_format import BadEntry, EntrySpec, dtype_name
 from ..store.index_store import build_index_store
+from ..store.half import halve
 from ..store.int8 import quantize
 from ..store.tiered import build_store
 from .sampler import Sampler, SamplingParams
@@ -99,8 +100,10 @@ class Engine:
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
         # Models without a tokenizer (tests' tiny random models) name their separator ids.
         self.sep_ids = sep_ids or separator_ids(self.tokenizer, s.separator)
+        # How chunk KV is stored: int8 where asked, else bfloat16 where the model computes in float32.
+        self.chunk_storage = "int8" if s.kv_int8 else "bf16" if s.kv_half and model.dtype == torch.float32 else ""
         self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos,
-                              s.kv_int8, self.sep_ids)
+                              self.chunk_storage, self.sep_ids)
         r = self.runner
         self.spec = EntrySpec(model.fingerprint, dtype_name(model.dtype), r.n_layers, r.n_kv_heads, r.head_dim)
         self.store = build_store(s, self.spec)
@@ -322,9 +325,11 @@ class Engine:
         return len(todo)
 
     def _store_chunk(self, key: str, kv: ChunkKV) -> None:
-        """Chunk KV (never prefix blocks) may be stored as int8 and with the probe's compact copy."""
+        """Chunk KV (never prefix blocks) may be stored as int8 or bfloat16, and with the probe's
+        compact copy."""
         kv.probe_copy = self.settings.compact_probe is not False
-        self.store.put(key, quantize(kv) if self.settings.kv_int8 else kv)
+        form = {"int8": quantize, "bf16": halve}.get(self.chunk_storage)
+        self.store.put(key, form(kv) if form else kv)
 
     def _encode(self, todo: dict[str, list[int]], context: list[int],
                 firsts: dict[tuple[int, ...], ChunkKV]) -> dict[str, ChunkKV]:

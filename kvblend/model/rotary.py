@@ -65,6 +65,8 @@ class Rotary:
         # two products, as apply_rope's x * cos + rotate_half(x) * sin gives it, bit for bit.
         half = k.shape[-1] // 2
         c, s = cos[..., :half], sin[..., :half]
+        if out is not None and out.dtype == torch.float32 and k.dtype != torch.float32:
+            k = k.float()  # K stored in bf16 for a float32 cache: converted once, rotated as fp32 below
         if out is None or k.dtype != torch.float32 or out.dtype != torch.float32:
             kf = k.float()
             k1, k2 = kf[..., :half], kf[..., half:]

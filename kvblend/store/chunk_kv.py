@@ -18,6 +18,7 @@ class ChunkKV:
     # chunks with compact_probe, never exact prefix blocks, which the probe reads in full.
     probe_copy: bool = False
     tier: ClassVar[str] = "memory"  # where a read found it (stored entries say disk or redis)
+    quant: ClassVar[str] = ""  # how its tensors are stored: "" in the model's dtype (store.half, store.int8)
 
     @property
     def n_tokens(self) -> int:
@@ -28,12 +29,18 @@ class ChunkKV:
         return self.k.shape[0]
 
     @property
+    def dtype(self) -> torch.dtype:
+        """The model's dtype: what the request's cache holds."""
+        return self.k.dtype
+
+    @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes + self.positions.nbytes
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [Hkv, n, d] of one layer: what the layerwise loader reads (stored entries read
-        it from disk or Redis one layer at a time)."""
+        """K and V [Hkv, n, d] of one layer as stored (the cache converts them as it writes them):
+        what the layerwise loader reads (stored entries read it from disk or Redis one layer at a
+        time)."""
         return self.k[layer], self.v[layer]
 
     def parts(self, layer: int) -> dict[str, torch.Tensor]:

@@ -64,7 +64,9 @@ class EntryMeta:
     positions: list[int]
     layer_digests: list[str]
     checksum: str  # digest of the layer digests: the whole entry's data
-    quant: str = ""  # "" (stored in `dtype`) or "int8" (int8 with float16 scales, decoded to `dtype`)
+    # "" (stored in `dtype`), "bf16" (bfloat16, converted to `dtype` as it is loaded) or "int8"
+    # (int8 with float16 scales, decoded to `dtype`)
+    quant: str = ""
     probe: str = ""  # "" or probe_copy.NAME: the entry holds a compact copy for the probe
     probe_digests: list[str] = field(default_factory=list)  # per layer, over the compact copy
     digest: str = "xxh3_128"  # the digests' algorithm, a DIGESTS name
@@ -96,9 +98,9 @@ class EntryMeta:
             scale = (self.n_kv_heads, self.n_tokens, 1)
             return {"k": (torch.int8, self.layer_shape), "v": (torch.int8, self.layer_shape),
                     "k_scale": (torch.float16, scale), "v_scale": (torch.float16, scale)}
-        if self.quant:
+        if self.quant not in ("", "bf16"):
             raise ValueError(f"unknown quantization {self.quant!r}")
-        dt = dtype_of(self.dtype)
+        dt = torch.bfloat16 if self.quant == "bf16" else dtype_of(self.dtype)
         return {"k": (dt, self.layer_shape), "v": (dt, self.layer_shape)}
 
     def probe_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -155,14 +157,12 @@ def entry_checksum(digests: list[str], algorithm: str = "xxh3_128") -> str:
 
 
 def describe(key: str, kv, fingerprint: str, probe: list[dict[str, torch.Tensor]] | None = None) -> EntryMeta:
-    """The header of a ChunkKV or an int8 QuantKV, with `probe` its compact copy if it has one."""
-    quant = "int8" if hasattr(kv, "kq") else ""
-    L, H, n, d = (kv.kq if quant else kv.k).shape
-    dtype = kv.dtype if quant else kv.k.dtype
+    """The header of a ChunkKV (or its HalfKV or QuantKV forms), with `probe` its compact copy if it has one."""
+    L, (H, n, d) = kv.n_layers, kv.parts(0)["k"].shape
     digests = [layer_digest(kv.parts(layer)) for layer in range(L)]
     probe_digests = [layer_digest(p) for p in probe] if probe else []
-    return EntryMeta(FORMAT_VERSION, key, fingerprint, dtype_name(dtype), L, H, n, d,
-                     [int(p) for p in kv.positions], digests, entry_checksum(digests + probe_digests), quant,
+    return EntryMeta(FORMAT_VERSION, key, fingerprint, dtype_name(kv.dtype), L, H, n, d,
+                     [int(p) for p in kv.positions], digests, entry_checksum(digests + probe_digests), kv.quant,
                      probe_copy.NAME if probe else "", probe_digests)
 
 

@@ -36,6 +36,7 @@ class QuantKV:
     dtype: torch.dtype  # the model's: what layers decode to
     probe_copy: bool = False  # as ChunkKV.probe_copy
     tier: ClassVar[str] = "memory"
+    quant: ClassVar[str] = "int8"
 
     @property
     def n_tokens(self) -> int:

@@ -13,6 +13,7 @@ import torch
 
 from .chunk_kv import ChunkKV
 from .entry_format import BadEntry, EntryMeta, check_layer, dtype_of
+from .half import HalfKV
 from .int8 import QuantKV, dequantize_tensor
 
 
@@ -116,7 +117,8 @@ class StoredEntry:
         return parts
 
     def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V [Hkv, n, d] of one layer in the model's dtype, read and checked."""
+        """K and V [Hkv, n, d] of one layer, read and checked: in the model's dtype, or bfloat16 for
+        a half entry (the cache converts it as it is written)."""
         p = self.parts(layer)
         if self.meta.quant == "int8":
             dt = dtype_of(self.meta.dtype)
@@ -130,11 +132,13 @@ class StoredEntry:
             if self.has_probe_copy:
                 self.parts(layer, compact=True)
 
-    def materialize(self) -> ChunkKV | QuantKV:
+    def materialize(self) -> ChunkKV | HalfKV | QuantKV:
         """Every layer read and checked, as stored: what promotion to a faster tier keeps."""
         layers = [self.parts(layer) for layer in range(self.n_layers)]
         stack = {name: torch.stack([p[name] for p in layers]) for name in layers[0]}
         if self.meta.quant == "int8":
             return QuantKV(stack["k"], stack["v"], stack["k_scale"], stack["v_scale"], self.positions.clone(),
                            dtype_of(self.meta.dtype))
+        if self.meta.quant == "bf16":
+            return HalfKV(stack["k"], stack["v"], self.positions.clone(), model_dtype=dtype_of(self.meta.dtype))
         return ChunkKV(stack["k"], stack["v"], self.positions.clone())
