@@ -18,9 +18,11 @@ SEP = [7, 7, 3]
 
 def make_engine(family="llama", seed=0, **settings):
     # No minimum budget: on these ~100-token prompts the ratio alone sets it, as on long prompts.
+    # float32 entries: these invariants compare stored KV with fresh computations exactly
+    # (tests/test_store_half.py covers the bf16 entries a float32 model stores by default).
     m = tiny_model(family, seed=seed)
     return Engine(m, Settings(**{"check_layers": [1], "recompute_ratios": [0.15], "min_recompute_tokens": 0,
-                                 **settings}), sep_ids=SEP)
+                                 "kv_half": False, **settings}), sep_ids=SEP)
 
 
 def chunks(n, length=24, seed=0):

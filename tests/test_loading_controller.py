@@ -20,7 +20,8 @@ FLOOR = 0.15
 
 
 def disk_engine(tmp_path, **settings):
-    engine = stored_engine("disk", tmp_path, **settings)
+    # float32 entries: the rates below are set against their bytes, the copies an eighth of them.
+    engine = stored_engine("disk", tmp_path, **{"kv_half": False, **settings})
     return engine, engine.store.tier("disk"), LoadingController(engine.store)
 
 
