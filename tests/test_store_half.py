@@ -1,16 +1,15 @@
-"""bfloat16 chunk KV for a float32 model: round trips through every tier, its own keys, the blend
-invariant that survives it (ratio 1.0 is still full prefill), and where it is not used."""
+"""bfloat16 chunk KV for a float32 model: its rounding, its own keys, the blend invariant that
+survives it (ratio 1.0 is still full prefill), and where it is not used. Its round trip through
+each tier: tests/test_store_tiers.py."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
-import pytest
 import torch
 from test_store_engine import ASKED, STORED, make_engine, stored_engine
-from test_store_tiers import kv, make_tier  # noqa: F401  (fixture)
+from test_store_tiers import kv
 
-from kvblend.store.entry_format import BadEntry
 from kvblend.store.half import HalfKV, halve
 
 
@@ -20,22 +19,6 @@ def test_halving_rounds_to_bfloat16_and_halves_the_bytes():
     assert h.k.dtype == h.v.dtype == torch.bfloat16 and h.dtype == torch.float32 and h.quant == "bf16"
     assert torch.equal(h.k.float(), x.k.to(torch.bfloat16).float()) and torch.equal(h.positions, x.positions)
     assert h.nbytes - h.positions.nbytes == (x.nbytes - x.positions.nbytes) // 2
-
-
-def test_half_round_trip_through_a_tier(make_tier):  # noqa: F811
-    tier = make_tier()
-    h = halve(kv(9, seed=5))
-    assert tier.put("chunk-h", h)
-    entry = tier.get("chunk-h")
-    assert entry.meta.quant == "bf16" and entry.meta.dtype == "float32"
-    assert entry.meta.layer_nbytes * h.n_layers == h.k.nbytes + h.v.nbytes
-    back = entry.materialize()
-    assert isinstance(back, HalfKV) and back.dtype == torch.float32
-    for name in ("k", "v", "positions"):
-        assert torch.equal(getattr(back, name), getattr(h, name))
-    entry.meta.layer_digests[1] = "0" * 32  # as if layer 1 had been changed after writing
-    with pytest.raises(BadEntry, match="layer 1 checksum"):
-        entry.layer(1)
 
 
 def test_half_chunks_have_their_own_keys_and_keep_the_ratio_one_invariant():

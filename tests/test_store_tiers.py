@@ -17,6 +17,8 @@ from safetensors import safe_open
 from kvblend.store.chunk_kv import ChunkKV
 from kvblend.store.disk import DiskTier
 from kvblend.store.entry_format import FORMAT_VERSION, BadEntry, EntrySpec
+from kvblend.store.half import halve
+from kvblend.store.int8 import quantize
 from kvblend.store.memory import MemoryStore
 from kvblend.store.redis_tier import RedisTier
 from kvblend.store.tiered import TieredStore
@@ -466,3 +468,24 @@ def test_throttle_shares_its_bandwidth_between_concurrent_reads(tmp_path):
 
 def same_layer(got, want: ChunkKV, layer: int = 0) -> bool:
     return torch.equal(got[0], want.k[layer]) and torch.equal(got[1], want.v[layer])
+
+
+@pytest.mark.parametrize("form", ["bf16", "int8"])
+def test_each_stored_form_round_trips_through_a_tier_under_its_layer_digests(make_tier, form):
+    x = {"bf16": halve, "int8": quantize}[form](kv(9, seed=5))
+    tier = make_tier()
+    assert tier.put("chunk", x)
+    entry = tier.get("chunk")
+    assert entry.meta.quant == form and entry.meta.dtype == "float32"
+    assert entry.meta.layer_nbytes * x.n_layers == x.nbytes - x.positions.nbytes
+    back = entry.materialize()
+    assert type(back) is type(x) and back.dtype == torch.float32
+    for name, t in vars(x).items():
+        if isinstance(t, torch.Tensor):
+            assert torch.equal(getattr(back, name), t), name
+    for layer in range(x.n_layers):
+        assert all(torch.equal(a, b) for a, b in zip(entry.layer(layer), x.layer(layer)))
+    # Every stored tensor (int8's scales too) is under the layer digest.
+    entry.meta.layer_digests[1] = "0" * 32  # as if layer 1 had been changed after writing
+    with pytest.raises(BadEntry, match="layer 1 checksum"):
+        entry.layer(1)
