@@ -89,8 +89,12 @@ def test_the_probe_reads_copies_and_the_blend_pass_reads_each_layer_once_in_full
     expected = sorted((key, layer) for key in chunks for layer in range(L))
     assert sorted(reads["compact"]) == expected and out.stats.compact_chunks == len(chunks)
     assert sorted(r for r in reads["full"] if r[0] in chunks) == expected
+    # The probe decodes them itself, timed apart from compute, for the loading controller.
+    assert out.stats.copy_bytes == L * sum(c.kv.meta.probe_layer_nbytes for c in plan.chunks)
+    assert 0 < out.stats.copy_s < out.stats.compute_s + out.stats.copy_s
     reads["full"].clear(), reads["compact"].clear()
-    engine.prefill(ASKED, "reuse")  # no probe: no copy read
+    _, out = engine.prefill(ASKED, "reuse")  # no probe: no copy read
+    assert out.stats.copy_bytes == 0 and out.stats.copy_s == 0
     assert reads["compact"] == [] and sorted(r for r in reads["full"] if r[0] in chunks) == expected
 
 

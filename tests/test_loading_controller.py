@@ -75,6 +75,10 @@ def test_play_a_compact_probe_reads_copies_first_and_the_blend_pass_reads_in_ful
     # ends at 0.85 s. Full layers arrive at 1.75, 2.75, 3.75 s: the blend pass (1 s a layer) waits
     # 0.9 s for the first, then finds each read as it finishes the layer before.
     assert play(w, LayerReads(full=1.0, compact=0.25, rest=1.0), pair_s=0.1) == pytest.approx((4.75, 1.45, 0.55))
+    # Decoding a layer's copies (0.05 s) lengthens each probe layer: it ends at 0.9 s, and the
+    # blend pass waits 0.85 s for the first full layer instead of 0.9 s.
+    reads = LayerReads(full=1.0, compact=0.25, rest=1.0, decode=0.05)
+    assert play(w, reads, pair_s=0.1) == pytest.approx((4.75, 1.3, 0.45))
 
 
 def test_slow_tier_raises_the_ratio_while_the_extra_rows_fill_waits_for_reads(tmp_path):
@@ -140,6 +144,32 @@ def test_the_probe_reads_the_copies_only_where_a_full_probe_would_wait_for_reads
     plain_disk.meter.rate, plain_ctl.compute.rate = 1e5, 1e4
     cfg, d = plain_ctl.decide(plain.plan(ASKED, "blend"), replace(plain.blend_cfg, compact_probe=True))
     assert not d.compact and not cfg.compact_probe
+
+
+def test_the_copies_are_read_only_while_decoding_them_costs_less_than_the_waits_they_save(tmp_path):
+    """Before any request decoded copies their cost is unknown and counted as none: the first
+    request they would help reads them, and its decoding rate is measured. Measured slower than
+    the waits they save, they are left unread."""
+    engine, disk, _ = disk_engine(tmp_path, compact_probe=True, loading_controller=True)
+    ctl, plan = engine.controller, engine.plan(ASKED, "blend")
+    must, reused = counts(plan)
+
+    def slow():
+        ctl.compute.rate = 1e4
+        disk.meter.rate = layer_bytes(plan) * ctl.compute.rate / (must + 0.6 * reused)
+
+    slow()
+    assert ctl.copies.rate is None and ctl.decide(engine.plan(ASKED, "blend"), engine.blend_cfg)[1].compact
+    slow()
+    ran, out = engine.prefill(ASKED, "blend")  # it may also recompute a chunk instead of reading it
+    read, d = ran.read_chunks(), out.stats.controller
+    assert d["compact"] and d["copies_gain"] >= ctl.COPIES_MARGIN and out.stats.compact_chunks == len(read) > 0
+    copy_bytes = sum(c.kv.meta.probe_layer_nbytes for c in read) * engine.runner.n_layers
+    assert out.stats.copy_bytes == copy_bytes and ctl.copies.rate == pytest.approx(copy_bytes / out.stats.copy_s)
+    slow()
+    ctl.copies.rate = copy_bytes  # a second to decode a prompt's copies: far more than the waits they save
+    cfg, d = ctl.decide(engine.plan(ASKED, "blend"), engine.blend_cfg)
+    assert not d.compact and not cfg.compact_probe and d.copies_gain < 0 and "probe-bound" in d.reason
 
 
 def test_tier_slower_than_recompute_is_not_read(tmp_path):

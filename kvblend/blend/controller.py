@@ -16,8 +16,8 @@ memory and fast tiers give the output of the controller off, bit for bit. Elsewh
   far as the estimate grows by at most one layer's read, i.e. while the extra rows compute in
   time the pass would otherwise spend waiting for reads;
 - the tier to read a chunk from, when it is on several: the fastest measured (TieredStore);
-- with compact_probe, whether the probe reads the compact copies: only where a probe over the
-  full KV would wait for its reads long enough to pay for decoding them.
+- with compact_probe, whether the probe reads the compact copies: only where the waits they save
+  outweigh decoding and writing them on the prefill's own thread, at their measured rate.
 
 Where the probe walks every layer it needs every layer's stored KV before the blend pass can
 start, so a slow tier's reads fall before the blend pass and no ratio hides them: the controller
@@ -47,6 +47,7 @@ class Decision:
     wait_s: float = 0.0  # of which waiting for reads
     reason: str = ""
     compact: bool = False  # the probe reads compact copies (only where compact_probe stored them)
+    copies_gain: float = 0.0  # share of the prefill the copies were expected to save, their decoding counted
 
 
 @dataclass
@@ -99,13 +100,15 @@ class LayerReads:
     full: float  # every entry in full
     compact: float = 0.0  # what the probe reads with compact_probe: copies where entries have them
     rest: float = 0.0  # what the blend pass then reads in full: the entries the probe read compact
+    decode: float = 0.0  # the probe's own time decoding and writing a layer's copies (not the reader's)
 
 
 def play(w: Work, reads: LayerReads, pair_s: float) -> tuple[float, float, float]:
     """(seconds to the last layer's end, of which waiting for reads, of which the probe's): the
     reader streams the probe's layers, then the blend pass's, back to back from time 0; each pass
     computes its layers in turn, a layer starting when the one before is done and its KV has
-    arrived (a layer the pass does not read needs nothing)."""
+    arrived (a layer the pass does not read needs nothing); a probe over compact copies decodes
+    each layer's itself."""
     t, probe_at, blend_at = 0.0, {}, {}
     for layer in range(w.probe_layers):
         t += reads.compact if w.compact else reads.full
@@ -116,7 +119,7 @@ def play(w: Work, reads: LayerReads, pair_s: float) -> tuple[float, float, float
     clock = probe_wait = 0.0
     for layer in range(w.probe_layers):
         probe_wait += max(0.0, probe_at[layer] - clock)
-        clock = max(clock, probe_at[layer]) + w.probe_rows * pair_s
+        clock = max(clock, probe_at[layer]) + w.probe_rows * pair_s + (reads.decode if w.compact else 0.0)
     wait = probe_wait
     for layer, rows in enumerate(w.blend_rows):
         wait += max(0.0, blend_at.get(layer, 0.0) - clock)
@@ -128,11 +131,12 @@ class LoadingController:
     # A tier whose chunks are recomputed is no longer read, so no longer measured: one decision
     # in this many reads it anyway, to see whether it got faster.
     REMEASURE_EVERY = 16
-    # The compact copies are read where the model expects them to shorten the prefill by more
-    # than this share: reading, decoding and re-rotating them takes CPU from the prefill that the
-    # model does not count (on 2 cores about 6% of it). On MuSiQue prompts it expected 9% at
-    # 300 MB/s, where the copies gained nothing measured, and 20% at 100 MB/s, where they gained 17%.
-    COMPACT_GAIN = 0.12
+    # The compact copies are read where the model, their decoding counted, expects them to
+    # shorten the prefill by more than this share: what it leaves out (the reader's own CPU, which
+    # then runs beside compute instead of in the probe's waits) and the noise of its inputs.
+    # Until a request has decoded copies their cost is unknown and counted as none: the first
+    # request they would help reads them, and measures it.
+    COPIES_MARGIN = 0.03
     # Where the plain schedule (the floor ratio, the probe over the full KV) is expected to wait
     # for reads less than this share of the prefill, nothing changes: a fast tier then gives what
     # the controller off gives, bit for bit, and a noisy bandwidth estimate cannot flip it.
@@ -141,6 +145,7 @@ class LoadingController:
     def __init__(self, store):
         self.store = store
         self.compute = Meter()  # (layer, row) pairs per second
+        self.copies = Meter()  # compact-copy bytes the probe decodes and writes per second
         self.decisions = 0
 
     def observe(self, computed_pairs: float, compute_s: float) -> None:
@@ -161,6 +166,7 @@ class LoadingController:
     def _reads(self, plan: Plan) -> LayerReads | None:
         """Per layer: every stored chunk's (and prefix block's) layer read, one after another."""
         full = compact = rest = 0.0
+        copy_bytes = 0
         for kv in [c.kv for c in plan.read_chunks()] + [kv for _, kv in plan.prefix_blocks]:
             meta = getattr(kv, "meta", None)
             whole = self._read_s(meta.layer_nbytes if meta else 0, kv.tier)
@@ -170,9 +176,11 @@ class LoadingController:
             if getattr(kv, "has_probe_copy", False):
                 compact += self._read_s(meta.probe_layer_nbytes, kv.tier)
                 rest += whole
+                copy_bytes += meta.probe_layer_nbytes
             else:
                 compact += whole
-        return LayerReads(full, compact, rest)
+        decode = copy_bytes / self.copies.rate if self.copies.rate else 0.0
+        return LayerReads(full, compact, rest, decode)
 
     def decide(self, plan: Plan, cfg: BlendConfig) -> tuple[BlendConfig, Decision]:
         """The config to run `plan` with (the plan itself may lose chunks to recompute)."""
@@ -189,12 +197,14 @@ class LoadingController:
         if at_floor[1] <= self.ACT_WAIT * at_floor[0]:  # the plain schedule: the floor ratio, the probe over full KV
             return plain, Decision(floor, floor, 0, reads.full, w.blend_rows[-1] * pair_s, *at_floor[:2],
                                    "compute-bound: loading hides behind compute")
+        copies_gain = 0.0
         if cfg.compact_probe and reads.compact < reads.full:
-            # Read the copies only where that saves more than their decoding costs (CPU the model
-            # does not see): where a probe over the full KV would wait for its reads.
+            # Read the copies only where the waits they save outweigh decoding them: where a probe
+            # over the full KV would wait long for its reads.
             w_copies = work(plan, cfg, floor, n_layers)
             with_copies = play(w_copies, reads, pair_s)
-            if with_copies[0] > (1 - self.COMPACT_GAIN) * at_floor[0]:
+            copies_gain = 1 - with_copies[0] / at_floor[0]
+            if copies_gain < self.COPIES_MARGIN:
                 cfg = plain
             else:
                 w, at_floor = w_copies, with_copies
@@ -242,7 +252,7 @@ class LoadingController:
         else:
             reason = "compute-bound: loading hides behind compute"
         decision = Decision(floor, ratio, dropped, reads.full, w.blend_rows[-1] * pair_s, ttft, wait, reason,
-                            cfg.compact_probe)
+                            cfg.compact_probe, copies_gain)
         if ratio == floor:
             return cfg, decision
         return replace(cfg, ratios=[max(r, ratio) for r in cfg.ratios]), decision

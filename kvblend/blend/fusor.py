@@ -120,10 +120,12 @@ class PrefillStats:
     chunk_misses: int = 0
     compute_frac: float = 1.0  # computed (layer, row) pairs / a full prefill's
     load_wait_s: float = 0.0  # time the layers waited for stored KV to be read and re-encoded
-    compute_s: float = 0.0  # time in the layers, waits excluded: what the loading controller measures
+    compute_s: float = 0.0  # time in the layers, waits and copies excluded: what the loading controller measures
     controller: dict | None = None  # the loading controller's decision, where it ran
     chunk_tiers: list[str] = field(default_factory=list)  # per chunk: prefix, memory, disk, redis or miss
     compact_chunks: int = 0  # chunks the probe read from their compact copies (compact_probe)
+    copy_s: float = 0.0  # time the probe spent decoding and writing those copies (not in compute_s)
+    copy_bytes: int = 0  # the copies' bytes it decoded
     bad_entries: int = 0  # stored entries found bad during this request (discarded, recomputed)
     selected_positions: list[int] = field(default_factory=list)  # reused rows chosen for recompute
     recomputed_positions: list[int] = field(default_factory=list)  # every row computed to the end
@@ -370,7 +372,8 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
         loader.close()
     active = out.active
     stats.load_wait_s, stats.compact_chunks = loader.wait_s, loader.compact_parts
-    stats.compute_s = time.perf_counter() - t0 - loader.wait_s
+    stats.copy_s, stats.copy_bytes = loader.copy_s, loader.copy_bytes
+    stats.compute_s = time.perf_counter() - t0 - loader.wait_s - loader.copy_s
 
     still_reused = reused.clone()
     still_reused[active] = False

@@ -73,6 +73,9 @@ class ChunkLoader:
         self.compact_parts = 0  # chunks the probe reads from their compact copies
         self.next_step = 0  # steps below it are handed over
         self.wait_s = 0.0  # time the prefill spent waiting for loads
+        # The probe's own time decoding and writing the compact copies the reader handed it, and
+        # their bytes: the loading controller weighs that cost against the waits the copies save.
+        self.copy_s, self.copy_bytes = 0.0, 0
         self._q: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -196,7 +199,10 @@ class ChunkLoader:
             if isinstance(done, BaseException):
                 raise done
             if isinstance(done, list):  # a compact step's reads, for this thread to write
+                t0 = time.perf_counter()
                 self._write(step, done)
+                self.copy_s += time.perf_counter() - t0
+                self.copy_bytes += sum(t.nbytes for _, kv in done if isinstance(kv, dict) for t in kv.values())
             return
         if self._last.get(layer, -1) >= j:
             raise RuntimeError(f"layer {layer} loaded before layer {self.steps[j].layer}")
