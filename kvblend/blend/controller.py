@@ -148,8 +148,10 @@ class LoadingController:
         self.copies = Meter()  # compact-copy bytes the probe decodes and writes per second
         self.decisions = 0
 
-    def observe(self, computed_pairs: float, compute_s: float) -> None:
+    def observe(self, computed_pairs: float, compute_s: float, copy_bytes: int = 0, copy_s: float = 0.0) -> None:
+        """One prefill's compute, and the compact copies its probe decoded (if any)."""
         self.compute.record(computed_pairs, compute_s)
+        self.copies.record(copy_bytes, copy_s)
 
     def _rate(self, tier: str) -> float | None:
         t = self.store.tier(tier)

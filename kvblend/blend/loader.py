@@ -73,8 +73,9 @@ class ChunkLoader:
         self.compact_parts = 0  # chunks the probe reads from their compact copies
         self.next_step = 0  # steps below it are handed over
         self.wait_s = 0.0  # time the prefill spent waiting for loads
-        # The probe's own time decoding and writing the compact copies the reader handed it, and
-        # their bytes: the loading controller weighs that cost against the waits the copies save.
+        # The probe's own time decoding and writing the compact copies the reader handed it (with
+        # any prefix blocks of the same steps, a small share), and the copies' bytes: the loading
+        # controller weighs that cost against the waits the copies save.
         self.copy_s, self.copy_bytes = 0.0, 0
         self._q: queue.Queue | None = None
         self._thread: threading.Thread | None = None

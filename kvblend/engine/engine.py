@@ -240,8 +240,8 @@ class Engine:
             out.stats.bad_entries = self.store.bad_entries() - bad_before
             if self.controller is not None:
                 s = out.stats
-                self.controller.observe(s.compute_frac * self.runner.n_layers * plan.n_tokens, s.compute_s)
-                self.controller.copies.record(s.copy_bytes, s.copy_s)
+                self.controller.observe(s.compute_frac * self.runner.n_layers * plan.n_tokens, s.compute_s,
+                                        s.copy_bytes, s.copy_s)
                 s.controller = asdict(decision) if decision else None
             return plan, out
 

@@ -24,6 +24,7 @@ import torch
 import xxhash
 
 from . import probe_copy
+from .half import HALF
 
 FORMAT_VERSION = 2  # 2: XXH3-128 digests and the optional compact copy
 READABLE = (1, 2)  # 1: SHA-256 digests, no compact copy
@@ -100,7 +101,7 @@ class EntryMeta:
                     "k_scale": (torch.float16, scale), "v_scale": (torch.float16, scale)}
         if self.quant not in ("", "bf16"):
             raise ValueError(f"unknown quantization {self.quant!r}")
-        dt = torch.bfloat16 if self.quant == "bf16" else dtype_of(self.dtype)
+        dt = HALF if self.quant == "bf16" else dtype_of(self.dtype)
         return {"k": (dt, self.layer_shape), "v": (dt, self.layer_shape)}
 
     def probe_specs(self) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
