@@ -9,7 +9,7 @@ cannot be expected to keep them under any approximation of its prompt; this is t
 which blend's flips are read. E.g.:
 
     python experiments/noise_floor.py --model qwen2.5-coder-0.5b-instruct --data ../shared/data/hotpotqa_s.dev.json \\
-        --offset 0 --limit 30 --ratios 0.08
+        --offset 0 --limit 30 --dtype float32 --ratios 0.08
 """
 
 from __future__ import annotations
