@@ -1,10 +1,10 @@
 """How far full prefill's own answer moves under a perturbation that is not blend's, beside blend's.
 
-The perturbation is the one a user meets by changing machine: the model run as a bf16 engine runs
-it, emulated in fp32 (every weight and every projection's output rounded to bf16, accumulation in
-fp32), so it runs at fp32 speed on any CPU. Each record is scored three ways against fp32 full
-prefill on the same 16 answer positions (kl_answer, top1_agree) and by its own greedy answer: the
-perturbed full prefill, and blend at the given ratios. A model whose answers flip under rounding
+The perturbation is part of what a user meets by changing machine: the rounding a bf16 engine does,
+emulated in fp32 (every weight and every linear layer's output rounded to bf16; the residual stream
+and attention stay fp32), so it runs at fp32 speed on any CPU. The perturbed full prefill and blend
+at each given ratio are scored against fp32 full prefill on the same 16 answer positions
+(kl_answer, top1_agree) and by their own greedy answers. A model whose answers flip under rounding
 cannot be expected to keep them under any approximation of its prompt; this is the floor against
 which blend's flips are read. E.g.:
 
