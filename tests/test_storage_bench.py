@@ -42,7 +42,7 @@ def test_storage_bench_runs_every_tier_and_schedule_on_a_tiny_model(tmp_path):
     payload = json.loads(out.read_text())
     rows = {r["config"]: r for r in payload["rows"]}
     assert list(rows) == [c.label for c in configs] and plot.stat().st_size > 0
-    assert rows["memory"]["vs_memory"] == 1.0
+    assert rows["memory"]["vs_memory"] == rows["memory"]["vs_memory_paired"] == 1.0
     assert all(len(runs) == 2 * len(RECORDS) for runs in payload["runs"].values())
     for label, tier in (("memory", "memory"), ("disk, controller off", "disk"), ("redis, controller off", "redis"),
                         ("disk at 300 MB/s, controller off", "disk")):
