@@ -259,8 +259,7 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
     for r in rows:
         q = f"{r['kl_answer']:.4f} | {r['top1_agree']:.3f}" if quality else "- | -"
         print(f"| {r['config']} | {r['ttft_ms']:.0f} | {r['vs_memory']:.2f} | {r['vs_memory_paired']:.2f} | "
-              f"{r['load_wait_ms']:.0f} | "
-              f"{r['recomputed']:.0f} | {q} |")
+              f"{r['load_wait_ms']:.0f} | {r['recomputed']:.0f} | {q} |")
     payload = {"meta": meta, "rows": rows, "runs": runs}
     save_json(out, payload)
     if plot:
