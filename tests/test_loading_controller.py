@@ -172,6 +172,34 @@ def test_the_copies_are_read_only_while_decoding_them_costs_less_than_the_waits_
     assert not d.compact and not cfg.compact_probe and d.copies_gain < 0 and "probe-bound" in d.reason
 
 
+def test_with_no_core_to_spare_the_copies_are_charged_the_reader_cpu_they_put_beside_compute(tmp_path):
+    """Where the prefill's threads take every core, reading the copies moves the reader's work
+    (the copies, then the full KV under the blend pass) from the probe's waits to beside compute:
+    the copies are charged its measured CPU. Dear enough, they are left unread; with a core to
+    spare the same reads cost nothing."""
+    engine, disk, ctl, plan = slow_disk(tmp_path, compact_probe=True)
+    ctl.reader.rate = layer_bytes(plan)  # a CPU-second for each layer of the stored KV
+    decisions = {}
+    for spare in (True, False):
+        ctl.spare_core = spare
+        cfg, decisions[spare] = ctl.decide(engine.plan(ASKED, "blend"), engine.blend_cfg)
+        assert cfg.compact_probe == decisions[spare].compact
+    assert decisions[True].compact and decisions[True].copies_cpu_s == 0
+    charged = decisions[False]
+    assert not charged.compact and charged.copies_gain < 0 and "probe-bound" in charged.reason
+    copies = sum(c.kv.meta.probe_layer_nbytes + c.kv.meta.layer_nbytes for c in plan.read_chunks())
+    assert charged.copies_cpu_s == pytest.approx(engine.runner.n_layers * copies / ctl.reader.rate)
+
+
+def test_the_reader_measures_its_cpu_for_the_bytes_it_takes(tmp_path):
+    """What the charge above is made of: every stored byte the reading thread took, and the CPU
+    it spent reading, checking and writing them, measured in each prefill."""
+    engine, _, _ = disk_engine(tmp_path, loading_controller=True, compact_probe=False)
+    ran, out = engine.prefill(ASKED, "blend")
+    assert out.stats.read_bytes == engine.runner.n_layers * layer_bytes(ran) > 0 and out.stats.read_cpu_s > 0
+    assert engine.controller.reader.rate == pytest.approx(out.stats.read_bytes / out.stats.read_cpu_s)
+
+
 def test_tier_slower_than_recompute_is_not_read(tmp_path):
     engine, disk, ctl = disk_engine(tmp_path)
     plan = engine.plan(ASKED, "blend")

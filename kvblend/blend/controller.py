@@ -17,7 +17,9 @@ memory and fast tiers give the output of the controller off, bit for bit. Elsewh
   time the pass would otherwise spend waiting for reads;
 - the tier to read a chunk from, when it is on several: the fastest measured (TieredStore);
 - with compact_probe, whether the probe reads the compact copies: only where the waits they save
-  outweigh decoding and writing them on the prefill's own thread, at their measured rate.
+  outweigh decoding and writing them on the prefill's own thread, at their measured rate, and,
+  on a machine with no core to spare for the reader, the reader's CPU that then runs beside
+  compute (the copies, and the full KV under the blend pass) instead of in the probe's waits.
 
 Where the probe walks every layer it needs every layer's stored KV before the blend pass can
 start, so a slow tier's reads fall before the blend pass and no ratio hides them: the controller
@@ -29,7 +31,10 @@ compute can cover it.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, replace
+
+import torch
 
 from ..store.tier import Meter
 from .fusor import BlendConfig
@@ -48,6 +53,7 @@ class Decision:
     reason: str = ""
     compact: bool = False  # the probe reads compact copies (only where compact_probe stored them)
     copies_gain: float = 0.0  # share of the prefill the copies were expected to save, their decoding counted
+    copies_cpu_s: float = 0.0  # of which the reader's CPU beside compute they were charged (no spare core)
 
 
 @dataclass
@@ -101,6 +107,7 @@ class LayerReads:
     compact: float = 0.0  # what the probe reads with compact_probe: copies where entries have them
     rest: float = 0.0  # what the blend pass then reads in full: the entries the probe read compact
     decode: float = 0.0  # the probe's own time decoding and writing a layer's copies (not the reader's)
+    copies_cpu: float = 0.0  # the reader's CPU for a layer's copies and the full KV read after them
 
 
 def play(w: Work, reads: LayerReads, pair_s: float) -> tuple[float, float, float]:
@@ -127,15 +134,20 @@ def play(w: Work, reads: LayerReads, pair_s: float) -> tuple[float, float, float
     return clock, wait, probe_wait
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (all of them where the OS cannot say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
 class LoadingController:
     # A tier whose chunks are recomputed is no longer read, so no longer measured: one decision
     # in this many reads it anyway, to see whether it got faster.
     REMEASURE_EVERY = 16
-    # The compact copies are read where the model, their decoding counted, expects them to
-    # shorten the prefill by more than this share: what it leaves out (the reader's own CPU, which
-    # then runs beside compute instead of in the probe's waits) and the noise of its inputs.
-    # Until a request has decoded copies their cost is unknown and counted as none: the first
-    # request they would help reads them, and measures it.
+    # The compact copies are read where the model, their decoding and (with no core to spare)
+    # the reader's CPU beside compute counted, expects them to shorten the prefill by more than
+    # this share: the noise of its inputs. Until a request has decoded copies, and one has read
+    # a stored tier, those costs are unknown and counted as none: the first request the copies
+    # would help reads them, and measures them.
     COPIES_MARGIN = 0.03
     # Where the plain schedule (the floor ratio, the probe over the full KV) is expected to wait
     # for reads less than this share of the prefill, nothing changes: a fast tier then gives what
@@ -146,12 +158,19 @@ class LoadingController:
         self.store = store
         self.compute = Meter()  # (layer, row) pairs per second
         self.copies = Meter()  # compact-copy bytes the probe decodes and writes per second
+        self.reader = Meter()  # stored bytes the reading thread takes (reads, checks, writes) per CPU-second
+        # The reader's thread has a core of its own when the prefill's threads leave one free;
+        # otherwise every CPU-second it spends beside compute is taken from the prefill.
+        self.spare_core = usable_cores() > torch.get_num_threads()
         self.decisions = 0
 
-    def observe(self, computed_pairs: float, compute_s: float, copy_bytes: int = 0, copy_s: float = 0.0) -> None:
-        """One prefill's compute, and the compact copies its probe decoded (if any)."""
+    def observe(self, computed_pairs: float, compute_s: float, copy_bytes: int = 0, copy_s: float = 0.0,
+                read_bytes: int = 0, read_cpu_s: float = 0.0) -> None:
+        """One prefill's compute, the compact copies its probe decoded (if any), and the CPU its
+        reads of stored entries took."""
         self.compute.record(computed_pairs, compute_s)
         self.copies.record(copy_bytes, copy_s)
+        self.reader.record(read_bytes, read_cpu_s)
 
     def _rate(self, tier: str) -> float | None:
         t = self.store.tier(tier)
@@ -168,7 +187,7 @@ class LoadingController:
     def _reads(self, plan: Plan) -> LayerReads | None:
         """Per layer: every stored chunk's (and prefix block's) layer read, one after another."""
         full = compact = rest = 0.0
-        copy_bytes = 0
+        copy_bytes = copies_read = 0
         for kv in [c.kv for c in plan.read_chunks()] + [kv for _, kv in plan.prefix_blocks]:
             meta = getattr(kv, "meta", None)
             whole = self._read_s(meta.layer_nbytes if meta else 0, kv.tier)
@@ -179,10 +198,12 @@ class LoadingController:
                 compact += self._read_s(meta.probe_layer_nbytes, kv.tier)
                 rest += whole
                 copy_bytes += meta.probe_layer_nbytes
+                copies_read += meta.probe_layer_nbytes + meta.layer_nbytes
             else:
                 compact += whole
         decode = copy_bytes / self.copies.rate if self.copies.rate else 0.0
-        return LayerReads(full, compact, rest, decode)
+        beside = copies_read / self.reader.rate if self.reader.rate and not self.spare_core else 0.0
+        return LayerReads(full, compact, rest, decode, beside)
 
     def decide(self, plan: Plan, cfg: BlendConfig) -> tuple[BlendConfig, Decision]:
         """The config to run `plan` with (the plan itself may lose chunks to recompute)."""
@@ -199,13 +220,15 @@ class LoadingController:
         if at_floor[1] <= self.ACT_WAIT * at_floor[0]:  # the plain schedule: the floor ratio, the probe over full KV
             return plain, Decision(floor, floor, 0, reads.full, w.blend_rows[-1] * pair_s, *at_floor[:2],
                                    "compute-bound: loading hides behind compute")
-        copies_gain = 0.0
+        copies_gain = copies_cpu_s = 0.0
         if cfg.compact_probe and reads.compact < reads.full:
-            # Read the copies only where the waits they save outweigh decoding them: where a probe
-            # over the full KV would wait long for its reads.
+            # Read the copies only where the waits they save outweigh decoding them, and the
+            # reader's CPU that then runs beside compute rather than in the probe's waits: where a
+            # probe over the full KV would wait long for its reads.
             w_copies = work(plan, cfg, floor, n_layers)
             with_copies = play(w_copies, reads, pair_s)
-            copies_gain = 1 - with_copies[0] / at_floor[0]
+            copies_cpu_s = reads.copies_cpu * w_copies.probe_layers
+            copies_gain = 1 - (with_copies[0] + copies_cpu_s) / at_floor[0]
             if copies_gain < self.COPIES_MARGIN:
                 cfg = plain
             else:
@@ -254,7 +277,7 @@ class LoadingController:
         else:
             reason = "compute-bound: loading hides behind compute"
         decision = Decision(floor, ratio, dropped, reads.full, w.blend_rows[-1] * pair_s, ttft, wait, reason,
-                            cfg.compact_probe, copies_gain)
+                            cfg.compact_probe, copies_gain, copies_cpu_s)
         if ratio == floor:
             return cfg, decision
         return replace(cfg, ratios=[max(r, ratio) for r in cfg.ratios]), decision

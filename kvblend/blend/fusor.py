@@ -126,6 +126,8 @@ class PrefillStats:
     compact_chunks: int = 0  # chunks the probe read from their compact copies (compact_probe)
     copy_s: float = 0.0  # time the probe spent decoding and writing those copies (not in compute_s)
     copy_bytes: int = 0  # the copies' bytes it decoded
+    read_cpu_s: float = 0.0  # the reading thread's CPU for the layers it read from stored entries
+    read_bytes: int = 0  # the bytes it read from them
     bad_entries: int = 0  # stored entries found bad during this request (discarded, recomputed)
     selected_positions: list[int] = field(default_factory=list)  # reused rows chosen for recompute
     recomputed_positions: list[int] = field(default_factory=list)  # every row computed to the end
@@ -373,6 +375,7 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     active = out.active
     stats.load_wait_s, stats.compact_chunks = loader.wait_s, loader.compact_parts
     stats.copy_s, stats.copy_bytes = loader.copy_s, loader.copy_bytes
+    stats.read_cpu_s, stats.read_bytes = loader.read_cpu_s, loader.read_bytes
     stats.compute_s = time.perf_counter() - t0 - loader.wait_s - loader.copy_s
 
     still_reused = reused.clone()

@@ -77,6 +77,9 @@ class ChunkLoader:
         # any prefix blocks of the same steps, a small share), and the copies' bytes: the loading
         # controller weighs that cost against the waits the copies save.
         self.copy_s, self.copy_bytes = 0.0, 0
+        # The reading thread's CPU (reading, checking, re-encoding and writing) for the steps that
+        # read stored entries, and those bytes: with no core to spare, that CPU is the prefill's.
+        self.read_cpu_s, self.read_bytes = 0.0, 0
         self._q: queue.Queue | None = None
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -121,6 +124,15 @@ class ChunkLoader:
             src = self.parts[i][0]
             out.append((i, src.parts(step.layer, compact=True) if compact else src.layer(step.layer)))
         return out
+
+    def _stored_bytes(self, step: Step) -> int:
+        """The bytes a step reads from stored entries (disk, Redis; memory's KV is not read)."""
+        n = 0
+        for i, compact in step.reads:
+            meta = getattr(self.parts[i][0], "meta", None)  # a stored entry's header
+            if meta is not None:
+                n += meta.probe_layer_nbytes if compact else meta.layer_nbytes
+        return n
 
     def _write(self, step: Step, read: list) -> None:
         """Write one step's reads, re-encoded, into the cache: straight into its rows, since a
@@ -168,10 +180,12 @@ class ChunkLoader:
                 if self._stop:
                     return
                 try:
+                    cpu0 = time.thread_time()
                     read = self._read(step)
                     if any(compact for _, compact in step.reads):
                         # The probe decodes and writes its copies itself: the reader streams on
                         # meanwhile, as a device's reads would, instead of idling while it decodes.
+                        self._count(step, time.thread_time() - cpu0)
                         self._q.put(read)
                         continue
                     if step.after is not None:  # the probe still reads this layer's compact rows
@@ -180,10 +194,19 @@ class ChunkLoader:
                         if self._stop:
                             return
                     self._write(step, read)
+                    self._count(step, time.thread_time() - cpu0)  # CPU time: the wait above is not in it
                 except BaseException as e:  # handed to the prefill, which decides
                     self._q.put(e)
                     return
                 self._q.put(step.layer)  # blocks while `depth` steps wait: never further ahead
+
+    def _count(self, step: Step, cpu_s: float) -> None:
+        """A step's CPU on the reading thread, where it read stored entries (the memory tier's
+        re-encoding, which every tier's chunks need, is the same with or without the copies)."""
+        nbytes = self._stored_bytes(step)
+        if nbytes:
+            self.read_cpu_s += cpu_s
+            self.read_bytes += nbytes
 
     def load_layer(self, layer: int) -> None:
         """Hand `layer` over to the pass that asks for it: its next step, or nothing where every

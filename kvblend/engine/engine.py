@@ -241,7 +241,7 @@ class Engine:
             if self.controller is not None:
                 s = out.stats
                 self.controller.observe(s.compute_frac * self.runner.n_layers * plan.n_tokens, s.compute_s,
-                                        s.copy_bytes, s.copy_s)
+                                        s.copy_bytes, s.copy_s, s.read_bytes, s.read_cpu_s)
                 s.controller = asdict(decision) if decision else None
             return plan, out
 
