@@ -40,10 +40,14 @@ def test_batched_decode_equals_each_sequence_alone(family, key_bias):
     together, caches_t = _greedy(runner, prompts, 6, batched=True, key_bias=key_bias)
     alone, caches_a = _greedy(runner, prompts, 6, batched=False, key_bias=key_bias)
     assert together == alone
+    # The KV within rounding: where the CPU's matmul kernel rounds a row alike in every batch of
+    # whole row blocks (an AVX2 EPYC) it is equal bit for bit; an AVX-512 Xeon's kernel rounds a
+    # row's last bits differently with the batch size, whatever the padding.
     for ct, ca, p in zip(caches_t, caches_a, prompts):
         n = len(p) + 6
         assert ct.length == ca.length == n
-        assert torch.equal(ct.k[:, :, :n], ca.k[:, :, :n]) and torch.equal(ct.v[:, :, :n], ca.v[:, :, :n])
+        torch.testing.assert_close(ct.k[:, :, :n], ca.k[:, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(ct.v[:, :, :n], ca.v[:, :, :n], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("key_bias", [False, True])

@@ -238,7 +238,10 @@ class Runner:
         Rows are padded to a multiple of DECODE_ROW_BLOCK: the CPU fp32 matmul kernel works on
         blocks of 4 rows, and the rows of a partial block (the 1-3 left over) go another path
         that rounds differently, so a sequence's tokens would depend on how many others decode
-        beside it. In whole blocks a row's result is the same at every batch size and thread count.
+        beside it. In whole blocks a row's result is the same at every batch size and thread count
+        on an AVX2 EPYC; an AVX-512 Xeon's kernel still rounds a row's last bits differently with
+        the batch size (for some shapes at any padding), so there tokens can differ only where
+        the top two logits are that close.
         """
         n = len(token_ids)
         pad = -n % DECODE_ROW_BLOCK
