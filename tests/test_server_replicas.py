@@ -43,6 +43,14 @@ def replicas(tmp_path_factory):
         redis.kill()
 
 
+def wait_in_redis(server: RedisServer, keys: list[str], why: str) -> None:
+    """Until every key's entry header is in `server` (60 s at most, then fail saying `why`)."""
+    deadline = time.monotonic() + 60
+    while not all(server.client().exists(f"kvblend:{k}:h") for k in keys):
+        assert time.monotonic() < deadline, why
+        time.sleep(0.05)
+
+
 def http(url: str, who: str = "alice") -> httpx.Client:
     return httpx.Client(base_url=url, timeout=120, headers={"Authorization": f"Bearer {KEYS[who]}"})
 
@@ -87,10 +95,7 @@ def test_tenants_stay_apart_across_replicas(replicas):
     # said so, then written when Redis answers again: either way B finds them once they are there.
     body = r.json()
     assert all("redis" in d["tiers"] for d in body["data"]) or body["catch_up_tiers"] == ["redis"], body
-    keys, deadline = [d["key"] for d in body["data"]], time.monotonic() + 60
-    while not all(redis.client().exists(f"kvblend:{k}:h") for k in keys):
-        assert time.monotonic() < deadline, f"chunks never reached Redis: {body}"
-        time.sleep(0.05)
+    wait_in_redis(redis, [d["key"] for d in body["data"]], f"chunks never reached Redis: {body}")
     assert complete(http(url_b, "alice"), documents=docs)["kvblend"]["chunk_hits"] == len(docs)
     # Another key, or another namespace of the same key, on the other replica: all misses.
     bob = complete(http(url_b, "bob"), documents=docs)["kvblend"]
@@ -136,10 +141,7 @@ def test_chunks_posted_while_redis_is_down_say_so_and_reach_it_when_it_is_back(r
         keys = [d["key"] for d in body["data"]]
         back = RedisServer(redis_server.port).start()  # back, empty
         try:
-            deadline = time.monotonic() + 60
-            while not all(back.client().exists(f"kvblend:{k}:h") for k in keys):
-                assert time.monotonic() < deadline, "the chunks never reached Redis once it was back"
-                time.sleep(0.05)
+            wait_in_redis(back, keys, "the chunks never reached Redis once it was back")
             again = httpx.post(url + "/v1/chunks", json={"documents": DOCS}, timeout=60).json()
             assert again["catch_up_tiers"] == [] and all(d["stored"] for d in again["data"])
             assert {tuple(d["tiers"]) for d in again["data"]} == {("memory", "redis")}

@@ -31,11 +31,11 @@ compute can cover it.
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass, replace
 
 import torch
 
+from ..model.threads import usable_cores
 from ..store.tier import Meter
 from .fusor import BlendConfig
 from .plan import Plan
@@ -132,11 +132,6 @@ def play(w: Work, reads: LayerReads, pair_s: float) -> tuple[float, float, float
         wait += max(0.0, blend_at.get(layer, 0.0) - clock)
         clock = max(clock, blend_at.get(layer, 0.0)) + rows * pair_s
     return clock, wait, probe_wait
-
-
-def usable_cores() -> int:
-    """The cores this process may run on (all of them where the OS cannot say)."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 class LoadingController:

@@ -1,4 +1,5 @@
-"""Thread counts for side threads (the layer loader) that leave every other thread's alone.
+"""Thread counts: for side threads (the layer loader), leaving every other thread's alone, and
+the cores the process may use.
 
 `torch.set_num_threads` is process-wide: it sets the count every thread takes at its first
 parallel op (and MKL's), so one call from a side thread made the server's scheduler thread,
@@ -11,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 
 import torch
 
@@ -43,3 +45,8 @@ def limit_this_thread(n: int) -> bool:
         return False
     runtime.omp_set_num_threads(ctypes.c_int(n))
     return True
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (all of them where the OS cannot say)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
