@@ -207,6 +207,8 @@ def test_tier_slower_than_recompute_is_not_read(tmp_path):
     cfg, d = ctl.decide(plan, engine.blend_cfg)
     assert d.dropped == 4 and d.ratio == FLOOR and all(c.kv is None for c in plan.chunks)
     assert [c.tier for c in plan.chunks] == ["disk: recomputed"] * 4
+    # Found in the store, recomputed by choice: hits, never stored again as misses.
+    assert plan.hits == 4 and plan.misses == []
 
 
 def test_a_dropped_tier_is_read_again_now_and_then_to_remeasure_it(tmp_path):

@@ -97,7 +97,8 @@ def test_tenants_stay_apart_across_replicas(replicas):
     assert all("redis" in d["tiers"] for d in body["data"]) or body["catch_up_tiers"] == ["redis"], body
     wait_in_redis(redis, [d["key"] for d in body["data"]], f"chunks never reached Redis: {body}")
     on_b = complete(http(url_b, "alice"), documents=docs)["kvblend"]
-    assert on_b["chunk_hits"] == len(docs), (on_b, body)  # all of it: tiers, misses, prefix
+    # Found, each: read, exact in the prefix, or (a slow Redis on a loaded machine) recomputed by choice.
+    assert on_b["chunk_hits"] == len(docs), f"B: {on_b['chunk_tiers']} {on_b}; post: {body}"
     # Another key, or another namespace of the same key, on the other replica: all misses.
     bob = complete(http(url_b, "bob"), documents=docs)["kvblend"]
     assert bob["chunk_hits"] == 0 and bob["chunk_misses"] == len(docs) and bob["prefix_hit_tokens"] == 0

@@ -69,11 +69,13 @@ class Plan:
 
     @property
     def hits(self) -> int:
-        return sum(c.kv is not None or c.exact for c in self.chunks)
+        """Chunks found in the store: read, exact in the prefix, or recomputed by choice (`note`)."""
+        return len(self.chunks) - len(self.misses)
 
     @property
     def misses(self) -> list[ChunkRef]:
-        return [c for c in self.chunks if c.kv is None and not c.exact]
+        """Chunks the store does not hold: computed in the request and stored after it."""
+        return [c for c in self.chunks if c.kv is None and not c.exact and c.note is None]
 
 
 def block_bounds(seg: Segments, block: int, limit: int) -> list[Span]:

@@ -357,7 +357,7 @@ class Engine:
         reused = plan.reused_mask()
         exact_end = int(reused.nonzero()[0]) if bool(reused.any()) else plan.n_tokens
         self.store_prefix(token_ids, plan.segments, out.cache.k, out.cache.v, exact_end)
-        missed = [c.span for c in plan.misses if c.note is None]  # the controller's recomputes are stored
+        missed = [c.span for c in plan.misses]
         if missed and misses:
             self.store_misses(token_ids, missed, plan.segments)
             self.reencode_neighbours(token_ids, plan.segments)  # older chunks they are much closer to
