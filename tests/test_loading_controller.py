@@ -230,6 +230,8 @@ def test_throttled_tier_is_worked_around_and_the_decision_is_in_the_metrics(tmp_
     assert "loading-bound" in d["reason"] and d["floor"] == FLOOR
     assert d["dropped"] > 0 or d["ratio"] > FLOOR
     assert d["ratio"] >= FLOOR
+    # Chunks it chose to recompute were found all the same: hits in the request's metrics.
+    assert (second.chunk_hits, second.chunk_misses) == (4, 0), second.chunk_tiers
 
 
 def test_memory_only_controller_never_changes_the_ratio():
