@@ -116,13 +116,13 @@ class PrefillStats:
     prefix_hit_tokens: int = 0
     reused_tokens: int = 0  # rows whose final KV at the last layer came from a cached chunk
     recomputed_tokens: int = 0  # rows computed through every layer after the prefix
-    chunk_hits: int = 0
-    chunk_misses: int = 0
+    chunk_hits: int = 0  # found in the store (read, exact in the prefix, or recomputed by the loading controller)
+    chunk_misses: int = 0  # not found: computed and stored after the request
     compute_frac: float = 1.0  # computed (layer, row) pairs / a full prefill's
     load_wait_s: float = 0.0  # time the layers waited for stored KV to be read and re-encoded
     compute_s: float = 0.0  # time in the layers, waits and copies excluded: what the loading controller measures
     controller: dict | None = None  # the loading controller's decision, where it ran
-    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: prefix, memory, disk, redis or miss
+    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: prefix, a tier, '<tier>: recomputed' or miss
     compact_chunks: int = 0  # chunks the probe read from their compact copies (compact_probe)
     copy_s: float = 0.0  # time the probe spent decoding and writing those copies (not in compute_s)
     copy_bytes: int = 0  # the copies' bytes it decoded

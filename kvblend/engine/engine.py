@@ -54,12 +54,12 @@ class RequestMetrics:
     prefix_hit_tokens: int = 0
     reused_tokens: int = 0
     recomputed_tokens: int = 0
-    chunk_hits: int = 0
-    chunk_misses: int = 0
+    chunk_hits: int = 0  # found in the store (read, exact in the prefix, or recomputed by the loading controller)
+    chunk_misses: int = 0  # not found: computed and stored after the request
     compute_frac: float = 1.0
     selected_positions: list[int] = field(default_factory=list)
     load_wait_s: float = 0.0  # time compute waited for stored KV
-    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: prefix, memory, disk, redis or miss
+    chunk_tiers: list[str] = field(default_factory=list)  # per chunk: prefix, a tier, '<tier>: recomputed' or miss
     bad_entries: int = 0  # bad stored entries met (discarded and recomputed)
     controller: dict | None = None  # the loading controller's decision (ratio, chunks dropped, why)
 
