@@ -3,10 +3,11 @@
 `neighbour_count` k: each chunk of the indexed collection (every record of --data, as `kvblend
 eval` indexes it) is precomputed after its k nearest chunks, the nearest last. Each k gets its own
 index over the same chunks, so keys never mix; scored teacher-forced against full prefill's greedy
-answer, reuse and blend at each ratio.
+answer, reuse and blend at each ratio, and at each stale-key scale of --scales (a longer context
+leaves the stored KV less stale, so it may want less damping).
 
     python experiments/neighbour_count.py --model qwen2.5-coder-0.5b-instruct \\
-        --data ../shared/data/hotpotqa_s.dev.json --offset 48 --limit 12 --counts 1,3 --ratios 0.08
+        --data ../shared/data/hotpotqa_s.dev.json --offset 48 --limit 12 --counts 1,3 --ratios 0.08 --scales 0.7,1
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def main() -> None:
     add_record_flags(ap, limit=12)
     ap.add_argument("--counts", default="1,3", help="neighbour counts, comma-separated")
     ap.add_argument("--ratios", default="0.08", help="blend recompute ratios; reuse is always scored")
+    ap.add_argument("--scales", default=None, help="stale-key scales, comma-separated (default: the model's own)")
     args = ap.parse_args()
     engine, records = open_records(args)
     prompts = [prompt_ids(engine, r) for r in load_dataset(args.data)]
@@ -42,23 +44,28 @@ def main() -> None:
         indexes[k] = NeighbourIndex()
         indexes[k].add(collection, count=k)
     ratios = [0.0] + [float(x) for x in args.ratios.split(",")]
-    scores: dict[tuple[int, float], list] = {}
+    scales = [float(x) for x in args.scales.split(",")] if args.scales else [None]
+    scores: dict[tuple[int, float | None, float], list] = {}
     for record in tqdm(records, desc="records"):
         ids = prompt_ids(engine, record)
         _, answer, ref = full_reference(engine, ids)
         for k, index in indexes.items():
             engine.use_neighbours(index)
             engine.precompute(ids)
-            for r in ratios:
-                cfg = replace(engine.blend_cfg, **({"ratios": [r]} if r else {}))
-                logits, _ = forced_logits(engine, ids, "blend" if r else "reuse", cfg, answer)
-                scores.setdefault((k, r), []).append((float(kl_divergence(ref, logits).mean()),
-                                                      float((logits.argmax(-1) == ref.argmax(-1)).float().mean())))
+            for s in scales:
+                for r in ratios:
+                    cfg = replace(engine.blend_cfg, **({"ratios": [r]} if r else {}),
+                                  **({"stale_key_scale": s} if s is not None else {}))
+                    logits, _ = forced_logits(engine, ids, "blend" if r else "reuse", cfg, answer)
+                    top1 = float((logits.argmax(-1) == ref.argmax(-1)).float().mean())
+                    scores.setdefault((k, s, r), []).append((float(kl_divergence(ref, logits).mean()), top1))
     print(f"\n{args.data}, records {args.offset}-{args.offset + len(records) - 1}, {engine.model.dtype}")
-    print("| neighbours | mode | kl_answer | top1_agree | per record kl |\n| --- | --- | --- | --- | --- |")
-    for (k, r), s in scores.items():
-        print(f"| {k} | {f'blend {r:g}' if r else 'reuse'} | {statistics.mean(x[0] for x in s):.4f} "
-              f"| {statistics.mean(x[1] for x in s):.3f} | {' '.join(f'{x[0]:.3f}' for x in s)} |")
+    print("| neighbours | stale-key scale | mode | kl_answer | top1_agree | per record kl |\n"
+          "| --- | --- | --- | --- | --- | --- |")
+    for (k, s, r), got in scores.items():
+        print(f"| {k} | {'default' if s is None else f'{s:g}'} | {f'blend {r:g}' if r else 'reuse'} "
+              f"| {statistics.mean(x[0] for x in got):.4f} | {statistics.mean(x[1] for x in got):.3f} "
+              f"| {' '.join(f'{x[0]:.3f}' for x in got)} |")
     engine.close()
 
 
