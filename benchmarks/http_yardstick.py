@@ -15,7 +15,8 @@ returns at the first `--tf-positions` positions are compared with full's:
 
 The in-process row runs the same prompts through the harness functions of `kvblend eval` on an
 Engine of its own with the same settings, its collection indexed as the server's is (record by
-record, in order), and reports both its exact kl_answer and the same top-20 one. With
+record, in order), and reports both its exact kl_answer and the same top-20 one. Both run with the
+loading controller off, so that they compute the same thing whatever the machine's load. With
 `--replicas 2` (needs `--redis`), a second app with its own Engine and memory tier, on the same
 Redis and no shared disk, answers the same questions about what was posted to the first (its
 full column is the first replica's reply: full prefill reads nothing stored).
@@ -259,8 +260,11 @@ def main() -> None:
         redis_url = stack.enter_context(redis_server() if args.redis else nullcontext())
 
         def engine(name: str, redis: bool) -> Engine:
+            # The loading controller off: it chooses by the read and compute rates of the moment, so
+            # on a loaded machine a replica reading Redis could recompute what the in-process run
+            # read, and the two paths would differ for a reason that is not theirs.
             settings = load_settings(model=args.model, dtype=args.dtype, local_disk=str(tmp / name),
-                                     remote_url=redis_url if redis else None)
+                                     remote_url=redis_url if redis else None, loading_controller=False)
             return Engine(load_model(settings.model, dtype=args.dtype, device=settings.device), settings)
 
         here = engine("in-process", redis=False)
