@@ -17,6 +17,7 @@ from kvblend.cli import main
 from kvblend.config import Settings
 from kvblend.store import probe_copy
 from kvblend.store.entry_format import BadEntry, entry_checksum, layer_digest
+from kvblend.store.disk import DiskEntry
 from kvblend.store.tier import StoredEntry
 from kvblend.store.throttle import Throttled
 
@@ -113,6 +114,33 @@ def test_the_answers_kv_holds_the_full_stored_kv_wherever_blend_did_not_recomput
     check = max(engine.blend_cfg.check_layers)
     assert torch.equal(out.cache.k[check + 1:, :, reused], reuse.cache.k[check + 1:, :, reused])
     assert torch.equal(out.cache.v[check + 1:, :, reused], reuse.cache.v[check + 1:, :, reused])
+
+
+def test_the_reader_hints_each_disk_read_before_it_makes_it(tmp_path, monkeypatch):
+    """Every layer the reader takes from disk (copy or full KV) it first asked the kernel to
+    fetch, a few steps ahead; the hints change no byte of the output."""
+    engine = stored_engine("disk", tmp_path, compact_probe=True)
+    _, before = engine.prefill(ASKED, "blend")
+    events, parts, prefetch = [], StoredEntry.parts, DiskEntry.prefetch
+
+    def read(self, layer, compact=False):
+        events.append(("read", self.key, layer, compact))
+        return parts(self, layer, compact)
+
+    def hint(self, layer, compact=False):
+        events.append(("hint", self.key, layer, compact))
+        prefetch(self, layer, compact)
+    monkeypatch.setattr(StoredEntry, "parts", read)
+    monkeypatch.setattr(DiskEntry, "prefetch", hint)
+    engine.prefetch_depth = engine.runner.n_layers
+    _, out = engine.prefill(ASKED, "blend")
+    same_output(out, before)
+    reads = [i for i, e in enumerate(events) if e[0] == "read"]
+    chunk_reads = [i for i in reads if events[i][1].startswith("chunk-")]
+    assert len(chunk_reads) == 2 * engine.runner.n_layers * 4  # copies, then full KV, of 4 chunks
+    for i in reads:
+        first_hint = events.index(("hint", *events[i][1:]))
+        assert first_hint < i
 
 
 @pytest.mark.parametrize("bytes_per_s", [None, 200_000])

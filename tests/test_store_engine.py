@@ -125,6 +125,21 @@ def test_pipelining_with_a_short_probe_and_stale_key_damping(tmp_path):
         same_output(out, ref)
 
 
+def test_a_plan_hints_every_key_before_its_first_lookup(tmp_path, monkeypatch):
+    """One prefetch of all the plan's keys, then the lookups: a cold disk reads their headers
+    together rather than one after another."""
+    engine = stored_engine("disk", tmp_path)
+    store, events = engine.store, []
+    monkeypatch.setattr(store, "prefetch", lambda keys: events.append(("prefetch", list(keys))))
+    get = store.get
+    monkeypatch.setattr(store, "get", lambda key: events.append(("get", key)) or get(key))
+    plan = engine.plan(ASKED, "blend")
+    (first, hinted), lookups = events[0], [key for what, key in events[1:] if what == "get"]
+    assert first == "prefetch" and len(lookups) == len(events) - 1
+    assert {c.key for c in plan.chunks} <= set(lookups) <= set(hinted)
+    assert plan.hits == len(plan.chunks) == 4
+
+
 def test_layerwise_off_loads_inline():
     engine = make_engine(layerwise=False, prefetch_depth=4)
     assert engine.prefetch_depth == 0

@@ -15,7 +15,7 @@ from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 from safetensors import safe_open
 
 from kvblend.store.chunk_kv import ChunkKV
-from kvblend.store.disk import DiskTier
+from kvblend.store.disk import HEADER_READAHEAD, DiskTier
 from kvblend.store.entry_format import FORMAT_VERSION, BadEntry, EntrySpec
 from kvblend.store.half import halve
 from kvblend.store.int8 import quantize
@@ -329,6 +329,59 @@ def test_concurrent_writer_and_reader_never_see_a_torn_entry(make_tier):
         stop.set()
         t.join()
     assert whole > 0, (whole, bad)
+
+
+def test_disk_prefetch_asks_the_kernel_for_each_present_entrys_header(tmp_path, monkeypatch):
+    tier = DiskTier(tmp_path, MB, SPEC)
+    tier.put("chunk-a", kv(seed=1))
+    tier.put("chunk-b", kv(seed=2))
+    asked, advise = [], os.posix_fadvise
+
+    def spy(fd, offset, length, advice):
+        asked.append((os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), offset, length, advice))
+        advise(fd, offset, length, advice)
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    tier.prefetch(["chunk-b", "chunk-missing", "chunk-a"])
+    assert asked == [(f"{key}.safetensors", 0, HEADER_READAHEAD, os.POSIX_FADV_WILLNEED)
+                     for key in ("chunk-b", "chunk-a")]
+
+    def refuse(*_):
+        raise OSError(errno.EINVAL, "no hints here")
+    monkeypatch.setattr(os, "posix_fadvise", refuse)
+    tier.prefetch(["chunk-a"])  # a hint the kernel refuses changes nothing
+    assert same(tier.get("chunk-a").materialize(), kv(seed=1))
+    assert tier.hits == 1 and tier.misses == 0  # a hint is not a lookup
+
+
+@pytest.mark.parametrize("compact", [False, True])
+def test_a_disk_entry_prefetches_exactly_one_layers_bytes(tmp_path, monkeypatch, compact):
+    tier = DiskTier(tmp_path, MB, SPEC)
+    stored = kv(n=7, seed=3)
+    stored.probe_copy = True
+    tier.put("chunk-a", stored)
+    entry, asked = tier.get("chunk-a"), []
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, offset, length, advice: asked.append((offset, length, advice)))
+    entry.prefetch(1, compact)
+    data = (tmp_path / "chunk-a.safetensors").read_bytes()
+    parts = entry.parts(1, compact)
+    assert [(data[o:o + n], advice) for o, n, advice in asked] == [
+        (t.contiguous().view(torch.uint8).numpy().tobytes(), os.POSIX_FADV_WILLNEED) for t in parts.values()]
+    (tmp_path / "chunk-a.safetensors").unlink()
+    entry.prefetch(2, compact)  # the file gone: a hint, not an error
+    assert len(asked) == len(parts)
+
+
+def test_tiered_prefetch_passes_on_only_the_keys_no_memory_tier_holds(tmp_path):
+    memory, disk = MemoryStore(MB), DiskTier(tmp_path, MB, SPEC)
+    store = TieredStore([memory, disk])
+    memory.put("chunk-a", kv(seed=1))
+    hinted = []
+    disk.prefetch = hinted.extend
+    store.prefetch(["chunk-a", "chunk-b", "chunk-c"])
+    assert hinted == ["chunk-b", "chunk-c"]
+    store.prefetch(["chunk-a"])  # nothing left to hint
+    assert hinted == ["chunk-b", "chunk-c"]
+    store.close()
 
 
 # ---- the tiered store -------------------------------------------------------------------------

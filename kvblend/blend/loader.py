@@ -26,6 +26,10 @@ from ..model.threads import limit_this_thread
 from ..store import probe_copy
 from .plan import Plan
 
+# The reader tells a tier that can take a hint (a disk: the kernel's read-ahead) this many steps
+# before it reads them, so that a cold entry's bytes are on their way while it works on others.
+HINT_AHEAD = 2
+
 
 @dataclass
 class Step:
@@ -176,11 +180,14 @@ class ChunkLoader:
         # threads for the same cores. Only this thread's count (torch.set_num_threads is global).
         limit_this_thread(1)
         with torch.inference_mode():
-            for step in self.steps:
+            for j in range(HINT_AHEAD):
+                self._hint(j)
+            for j, step in enumerate(self.steps):
                 if self._stop:
                     return
                 try:
                     cpu0 = time.thread_time()
+                    self._hint(j + HINT_AHEAD)
                     read = self._read(step)
                     if any(compact for _, compact in step.reads):
                         # The probe decodes and writes its copies itself: the reader streams on
@@ -199,6 +206,15 @@ class ChunkLoader:
                     self._q.put(e)
                     return
                 self._q.put(step.layer)  # blocks while `depth` steps wait: never further ahead
+
+    def _hint(self, j: int) -> None:
+        """Step j's reads are coming: the entries that can (disk) have their bytes fetched now."""
+        if j < len(self.steps):
+            step = self.steps[j]
+            for i, compact in step.reads:
+                prefetch = getattr(self.parts[i][0], "prefetch", None)
+                if prefetch is not None:
+                    prefetch(step.layer, compact)
 
     def _count(self, step: Step, cpu_s: float) -> None:
         """A step's CPU on the reading thread, where it read stored entries (the memory tier's

@@ -153,11 +153,22 @@ def make_plan(token_ids: list[int], seg: Segments, keys: KeyScheme, store, use_p
               use_chunks: bool) -> Plan:
     plan = Plan(torch.tensor(token_ids, dtype=torch.long), seg)
     shared = keys.shared
+    blocks, chunks = [], []  # (span, key, shared key) to look up, in order
     if use_prefix:
         bounds = block_bounds(seg, keys.block, len(token_ids))
         # A block's KV is exact whichever namespace computed it: own and shared blocks may mix.
         shared_keys = shared.prefix_keys(token_ids, bounds) if shared else [None] * len(bounds)
-        for span, key, shared_key in zip(bounds, keys.prefix_keys(token_ids, bounds), shared_keys):
+        blocks = list(zip(bounds, keys.prefix_keys(token_ids, bounds), shared_keys))
+    if use_chunks:
+        context = keys.context_ids(token_ids, seg)
+        for span in seg.chunks:
+            ids = token_ids[span[0]:span[1]]
+            chunks.append((span, keys.chunk_key(ids, context),
+                           shared.chunk_key(ids, context) if shared is not None else None))
+    if hasattr(store, "prefetch"):  # every lookup's reads at once, not one after another
+        store.prefetch([k for _, *both in blocks + chunks for k in both if k is not None])
+    if use_prefix:
+        for span, key, shared_key in blocks:
             _, kv = _lookup(store, key, shared_key)
             if kv is None:
                 break
@@ -165,14 +176,9 @@ def make_plan(token_ids: list[int], seg: Segments, keys: KeyScheme, store, use_p
             plan.prefix_hit = span[1]
         # The last row is always computed: its logits give the first token.
         plan.prefix_hit = min(plan.prefix_hit, len(token_ids) - 1)
-    if use_chunks:
-        context = keys.context_ids(token_ids, seg)
-        for span in seg.chunks:
-            ids = token_ids[span[0]:span[1]]
-            key = keys.chunk_key(ids, context)
-            if span[1] <= plan.prefix_hit:  # looking it up would only cost a read and a promotion
-                plan.chunks.append(ChunkRef(span, key, None, exact=True))
-                continue
-            shared_key = shared.chunk_key(ids, context) if shared is not None else None
-            plan.chunks.append(ChunkRef(span, *_lookup(store, key, shared_key)))  # a miss doesn't stop lookup
+    for span, key, shared_key in chunks:
+        if span[1] <= plan.prefix_hit:  # looking it up would only cost a read and a promotion
+            plan.chunks.append(ChunkRef(span, key, None, exact=True))
+            continue
+        plan.chunks.append(ChunkRef(span, *_lookup(store, key, shared_key)))  # a miss doesn't stop lookup
     return plan

@@ -9,6 +9,7 @@ view for eviction."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import threading
@@ -27,12 +28,58 @@ from .tier import Counters, StoredEntry
 log = logging.getLogger(__name__)
 SUFFIX = ".safetensors"
 META_KEY = "kvblend"
+# What a plan asks the kernel to read ahead of each entry: its header (about 20 kB for a
+# 700-token chunk); the loader asks for each layer's tensors a few layers before it reads them.
+HEADER_READAHEAD = 64 << 10
+
+
+def will_need(path: Path, ranges: list[tuple[int, int]]) -> None:
+    """Ask the kernel to start reading these byte ranges of a file into the page cache, without
+    waiting for them. A hint only: a missing file or a refused call changes nothing."""
+    if not hasattr(os, "posix_fadvise"):
+        return
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        for start, end in ranges:
+            os.posix_fadvise(fd, start, end - start, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def tensor_ranges(path: Path) -> dict[str, tuple[int, int]]:
+    """Where each tensor of a safetensors file lies in it: name -> (start, end) bytes."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        if n > os.fstat(f.fileno()).st_size:
+            raise ValueError(f"{path}: a header of {n} bytes is longer than the file")
+        header = json.loads(f.read(n))
+    return {name: (8 + n + t["data_offsets"][0], 8 + n + t["data_offsets"][1])
+            for name, t in header.items() if name != "__metadata__"}
 
 
 class DiskEntry(StoredEntry):
-    def __init__(self, meta: EntryMeta, handle, meter=None):
+    def __init__(self, meta: EntryMeta, handle, path: Path, meter=None):
         super().__init__(meta, "disk", meter)
         self._f = handle  # safe_open keeps the file mapped: a later rename or unlink can't tear it
+        self._path = path
+        self._ranges: dict[str, tuple[int, int]] | None = None  # read on the first prefetch
+
+    def prefetch(self, layer: int, compact: bool = False) -> None:
+        """A read of this layer (its compact copy's, with `compact`) is coming: have the kernel
+        start fetching its bytes now, so that the read finds them in memory."""
+        names = self.meta.probe_specs() if compact else self.meta.part_specs()
+        try:
+            if self._ranges is None:
+                self._ranges = tensor_ranges(self._path)
+            ranges = [self._ranges[f"{name}.{layer}"] for name in names]
+        except (OSError, ValueError, KeyError):  # a hint: the read itself finds what is wrong
+            return
+        will_need(self._path, ranges)
 
     def _read_layer(self, layer: int):
         return {name: self._f.get_tensor(f"{name}.{layer}") for name in self.meta.part_specs()}
@@ -109,7 +156,14 @@ class DiskTier(Counters):
             os.utime(self.path(key))  # recency survives a restart
         except OSError:
             pass
-        return DiskEntry(*opened, self.meter)
+        return DiskEntry(*opened, self.path(key), self.meter)
+
+    def prefetch(self, keys: list[str]) -> None:
+        """The entries' headers are about to be read: have the kernel fetch them all at once, so
+        that a plan's lookups on a cold disk wait for one read rather than one after another.
+        A hint only: a missing entry or a failing call changes nothing."""
+        for key in keys:
+            will_need(self.path(key), [(0, HEADER_READAHEAD)])
 
     def header(self, key: str) -> EntryMeta | None:
         opened = self._open(key)

@@ -69,6 +69,15 @@ class TieredStore:
         slow.sort(key=lambda t: -(t.meter.rate if t.meter.rate is not None else float("inf")))
         return fast + slow
 
+    def prefetch(self, keys: list[str]) -> None:
+        """These keys are about to be looked up: the slower tiers that can may start fetching
+        what a lookup reads (a disk its headers) for the keys no memory tier holds."""
+        for tier in self.read_order():
+            if isinstance(tier, MemoryStore):
+                keys = [k for k in keys if k not in tier]
+            elif keys and hasattr(tier, "prefetch"):
+                tier.prefetch(keys)
+
     def get(self, key: str) -> ChunkKV | StoredEntry | None:
         order = self.read_order()
         for i, tier in enumerate(order):
