@@ -1,5 +1,5 @@
 """Disk and Redis tiers on their own: round trips, the entry format, bad entries, eviction,
-an unreachable Redis, write failures, torn reads; and the TieredStore over them."""
+an unreachable Redis, write failures, torn reads, read-ahead hints; and the TieredStore over them."""
 
 from __future__ import annotations
 
@@ -331,6 +331,8 @@ def test_concurrent_writer_and_reader_never_see_a_torn_entry(make_tier):
     assert whole > 0, (whole, bad)
 
 
+# ---- read-ahead hints -------------------------------------------------------------------------
+
 def test_disk_prefetch_asks_the_kernel_for_each_present_entrys_header(tmp_path, monkeypatch):
     tier = DiskTier(tmp_path, MB, SPEC)
     tier.put("chunk-a", kv(seed=1))
@@ -371,19 +373,6 @@ def test_a_disk_entry_prefetches_exactly_one_layers_bytes(tmp_path, monkeypatch,
     assert len(asked) == len(parts)
 
 
-def test_tiered_prefetch_passes_on_only_the_keys_no_memory_tier_holds(tmp_path):
-    memory, disk = MemoryStore(MB), DiskTier(tmp_path, MB, SPEC)
-    store = TieredStore([memory, disk])
-    memory.put("chunk-a", kv(seed=1))
-    hinted = []
-    disk.prefetch = hinted.extend
-    store.prefetch(["chunk-a", "chunk-b", "chunk-c"])
-    assert hinted == ["chunk-b", "chunk-c"]
-    store.prefetch(["chunk-a"])  # nothing left to hint
-    assert hinted == ["chunk-b", "chunk-c"]
-    store.close()
-
-
 # ---- the tiered store -------------------------------------------------------------------------
 
 def test_tiered_store_reads_in_order_promotes_and_writes_behind(tmp_path, redis_server):
@@ -405,6 +394,19 @@ def test_tiered_store_reads_in_order_promotes_and_writes_behind(tmp_path, redis_
 
     memory.delete("chunk-a")
     assert store.get("chunk-a").tier == "disk"
+    store.close()
+
+
+def test_tiered_prefetch_passes_on_only_the_keys_no_memory_tier_holds(tmp_path):
+    memory, disk = MemoryStore(MB), DiskTier(tmp_path, MB, SPEC)
+    store = TieredStore([memory, disk])
+    memory.put("chunk-a", kv(seed=1))
+    hinted = []
+    disk.prefetch = hinted.extend
+    store.prefetch(["chunk-a", "chunk-b", "chunk-c"])
+    assert hinted == ["chunk-b", "chunk-c"]
+    store.prefetch(["chunk-a"])  # nothing left to hint
+    assert hinted == ["chunk-b", "chunk-c"]
     store.close()
 
 
