@@ -22,6 +22,7 @@ from kvblend.config import Settings
 from kvblend.engine.engine import Engine
 from kvblend.engine.sampler import SamplingParams
 from kvblend.store import redis_tier
+from kvblend.store.disk import tensor_ranges
 
 SEP = [7, 7, 3]
 PREFIX = [1, 20, 21, 22, 23, 24]
@@ -175,13 +176,6 @@ def test_precomputing_a_stored_prompt_again_computes_nothing(first_chunk, monkey
 
 # ---- bad entries ------------------------------------------------------------------------------
 
-def tensor_start(data: bytes, name: str) -> int:
-    """Where a tensor's bytes begin in a safetensors file: after the 8-byte header length and the
-    JSON header, at its data offset."""
-    n = int.from_bytes(data[:8], "little")
-    return 8 + n + json.loads(data[8:8 + n])[name]["data_offsets"][0]
-
-
 def damage(engine, kind, how, key, other=None):
     tier = engine.store.tier(kind)
     if kind == "disk":
@@ -190,7 +184,7 @@ def damage(engine, kind, how, key, other=None):
             path.write_bytes(path.read_bytes()[:-100])
         elif how == "corrupt":
             data = bytearray(path.read_bytes())
-            data[tensor_start(data, "k.1") + 5] ^= 0xFF  # inside layer 1's K, which every read reads
+            data[tensor_ranges(path)["k.1"][0] + 5] ^= 0xFF  # inside layer 1's K, which every read reads
             path.write_bytes(bytes(data))
         else:  # swap with another entry
             a, b = path, tier.path(other)

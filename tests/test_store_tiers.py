@@ -15,7 +15,7 @@ from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 from safetensors import safe_open
 
 from kvblend.store.chunk_kv import ChunkKV
-from kvblend.store.disk import HEADER_READAHEAD, DiskTier
+from kvblend.store.disk import HEADER_READAHEAD, DiskTier, tensor_ranges
 from kvblend.store.entry_format import FORMAT_VERSION, BadEntry, EntrySpec
 from kvblend.store.half import halve
 from kvblend.store.int8 import quantize
@@ -106,11 +106,9 @@ def corrupt_layer(tier, key: str, layer: int) -> None:
     """Flip one byte inside one layer's data."""
     if isinstance(tier, DiskTier):
         path = tier.path(key)
-        with safe_open(str(path), "pt") as f:
-            n_header = 8 + int.from_bytes(path.read_bytes()[:8], "little")
-            start = json.loads(path.read_bytes()[8:n_header])[f"v.{layer}"]["data_offsets"][0]
+        start, _ = tensor_ranges(path)[f"v.{layer}"]
         data = bytearray(path.read_bytes())
-        data[n_header + start] ^= 0xFF
+        data[start] ^= 0xFF
         path.write_bytes(bytes(data))
     else:
         c = redis.Redis.from_url(tier.url)
