@@ -1,6 +1,7 @@
 """The `kvblend` command on the default model: eval, demo, generate, and its errors."""
 
 import json
+import re
 from importlib import resources
 
 from kvblend.cli import main
@@ -41,6 +42,30 @@ def test_demo_runs(capsys):
     assert main(["demo", "--max-tokens", "4", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert "full" in out and "blend" in out and "stored KV of 6 passages" in out
+    summary = re.search(r"blend's answer equals full's on (\d) of 5 questions; its first token came ([0-9.]+)x sooner",
+                        " ".join(out.split()))
+    assert summary, out
+    # The demo's prompts are a few hundred tokens: the recompute floor, not the ratio, sets blend's work.
+    assert "These prompts are short: blend computed" in " ".join(out.split())
+
+
+def test_demo_summary_counts_matching_answers_and_explains_short_prompts():
+    from types import SimpleNamespace
+
+    from kvblend.cli import _demo_summary
+
+    def out(text, ttft_s, recomputed, prompt):
+        return SimpleNamespace(text=text, metrics=SimpleNamespace(ttft_s=ttft_s, recomputed_tokens=recomputed,
+                                                                  prompt_tokens=prompt))
+
+    short = [(out("Seven.", 1.0, 300, 300), out("Seven. ", 0.8, 200, 300)),
+             (out("In 1742.", 1.0, 300, 300), out("In 1743.", 0.2, 100, 300))]
+    text = _demo_summary(short, 0.08, 256)
+    assert text.startswith("blend's answer equals full's on 1 of 2 questions; its first token came 2.0x sooner")
+    assert "blend computed 50% of their tokens" in text and "at least 256 chunk tokens" in text
+    long = [(out("Seven.", 4.0, 6000, 6000), out("Seven.", 0.5, 600, 6000))]
+    assert _demo_summary(long, 0.08, 256) == ("blend's answer equals full's on 1 of 1 questions; its first token "
+                                              "came 8.0x sooner in total.")
 
 
 def test_generate_and_errors(capsys):
