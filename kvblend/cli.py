@@ -13,6 +13,8 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
+from . import cli_adapter
+
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     """Flags that map onto Settings; unset flags leave env / YAML values alone."""
@@ -57,6 +59,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--neighbour-index", help="file of that index (default: neighbours.json in --local-disk)")
     p.add_argument("--exact-first-chunk", action=argparse.BooleanOptionalAction, default=None,
                    help="precompute also stores each chunk exact as a prompt's first chunk (default: on)")
+    p.add_argument("--chunk-adapter",
+                   help="chunk adapter chunk KV is precomputed with: auto (the model's shipped one, if any), "
+                        "none, or an adapter file")
     p.add_argument("--separator")
     p.add_argument("--namespace", help="the cache namespace chunks are stored in and read from (default: default)")
     p.add_argument("--shared-namespace",
@@ -110,7 +115,8 @@ def _settings(args):
                          chunk_context=args.chunk_context,
                          neighbour_context=args.neighbour_context, neighbour_index=args.neighbour_index,
                          neighbour_count=args.neighbour_count,
-                         exact_first_chunk=args.exact_first_chunk, separator=args.separator,
+                         exact_first_chunk=args.exact_first_chunk, chunk_adapter=args.chunk_adapter,
+                         separator=args.separator,
                          namespace=args.namespace, shared_namespace=args.shared_namespace,
                          **{name: getattr(args, name) for name in _STORE_FIELDS})
 
@@ -244,6 +250,12 @@ def cmd_serve(args) -> int:
               file=sys.stderr)
     uvicorn.run(create_app(engine, config), host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def cmd_adapter(args) -> int:
+    return cli_adapter.cmd_train(_settings(args), args)
+
+
 def cmd_store(args) -> int:
     from . import cli_store as commands
 
@@ -328,6 +340,7 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body")
     srv.set_defaults(func=cmd_serve)
     _add_store_parser(sub)
+    cli_adapter.add_parser(sub, _add_engine_flags).set_defaults(func=cmd_adapter)
     return parser
 
 

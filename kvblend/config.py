@@ -155,6 +155,10 @@ class Settings(BaseSettings):
     # prefix) in the prefix cache, so a prompt's first chunk is never stale: one more encode per
     # chunk precomputed after a neighbour, and twice its storage (docs/experiments.md#chunk-context).
     exact_first_chunk: bool = True
+    # The chunk adapter chunk KV is precomputed with (docs/adapters.md): "auto" takes the one shipped
+    # for the model where there is one, "none" precomputes with the model alone, else a path to an
+    # adapter file (`kvblend adapter train`). Its identity is part of every chunk key.
+    chunk_adapter: str = Field(default="auto", min_length=1)
     layerwise: bool = Field(default=True, validation_alias=_env("layerwise", "LMCACHE_USE_LAYERWISE"))
 
     # Storage (docs/storage.md).

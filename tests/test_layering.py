@@ -21,9 +21,11 @@ LAYERS = {
     "engine": 4,
     "api": 5,
     "eval": 5,
+    "train": 5,
     "server": 6,
     "cli": 7,
     "cli_store": 7,
+    "cli_adapter": 7,
 }
 
 

@@ -5,15 +5,17 @@ from __future__ import annotations
 
 import torch
 
+from ..model.adapter import ChunkAdapter
 from ..model.runner import Runner
 from ..store.chunk_kv import ChunkKV
 
 
 @torch.inference_mode()
 def encode_chunks(runner: Runner, context_ids: list[int], chunks: list[list[int]],
-                  leads: list[list[int]] | None = None) -> list[ChunkKV]:
+                  leads: list[list[int]] | None = None, adapter: ChunkAdapter | None = None) -> list[ChunkKV]:
     """KV of each chunk computed right after `context_ids` and then its lead (a neighbour and a
-    separator, or nothing); only the chunk's own rows are kept.
+    separator, or nothing); only the chunk's own rows are kept. A chunk adapter acts on the lead's
+    and the chunk's rows, never on the context's (the prompt's prefix, which is read exact).
 
     The context is computed once; each lead and chunk then overwrite the same rows after it.
     """
@@ -28,7 +30,8 @@ def encode_chunks(runner: Runner, context_ids: list[int], chunks: list[list[int]
     out = []
     for lead, ids in zip(leads, chunks):
         start, end = C + len(lead), C + len(lead) + len(ids)
-        runner.forward(torch.tensor(lead + ids), torch.arange(C, end), cache)
+        with runner.adapting(adapter):
+            runner.forward(torch.tensor(lead + ids), torch.arange(C, end), cache)
         out.append(ChunkKV(cache.k[:, :, start:end].clone(), cache.v[:, :, start:end].clone(),
                            torch.arange(start, end)))
     return out

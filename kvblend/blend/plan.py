@@ -105,6 +105,9 @@ class KeyScheme:
         self.chunk_dtype = self.dtype + (f"+{storage}" if storage else "")
         self.chunk_context, self.block, self.bos_id = chunk_context, block, bos_id
         self.sep_ids = list(sep_ids or [])
+        # The chunk adapter's identity ("": none): chunk KV made with one never meets KV made
+        # with another or with none. Prefix blocks are exact, made without one, and keep their keys.
+        self.adapter = ""
         self.neighbours: NeighbourIndex | None = None  # set when a collection is indexed
         # The shared namespace's keys (read only): where a lookup missing here looks next.
         self.shared: KeyScheme | None = None
@@ -131,6 +134,7 @@ class KeyScheme:
         """The key of the chunk's KV after the context and `lead` (None: its lead in the index)."""
         lead = self.lead_ids(chunk_ids) if lead is None else lead
         mode = self.chunk_context + ("+neighbour" if lead else "")
+        mode += f"+adapter-{self.adapter}" if self.adapter else ""
         ctx_hash = tokens_hash(context_ids + lead) if self.chunk_context == "prefix" or lead else ""
         return chunk_key(self.namespace, self.fingerprint, self.chunk_dtype, mode, ctx_hash, chunk_ids)
 

@@ -23,6 +23,7 @@ from ..blend.neighbours import NeighbourIndex
 from ..blend.plan import KeyScheme, Plan, block_bounds, make_plan
 from ..blend.segment import Segments, Span, segment, separator_ids
 from ..config import Settings
+from ..model.adapter import resolve_adapter
 from ..model.aliases import stale_key_scale_for
 from ..model.loader import LoadedModel
 from ..model.rotary import check_rerotation
@@ -104,6 +105,8 @@ class Engine:
         self.chunk_storage = "int8" if s.kv_int8 else "bf16" if s.kv_half and model.dtype == torch.float32 else ""
         self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos,
                               self.chunk_storage, self.sep_ids)
+        self.adapter = resolve_adapter(s.chunk_adapter, s.model, model.config)
+        self.keys.adapter = self.adapter.identity if self.adapter is not None else ""
         r = self.runner
         self.spec = EntrySpec(model.fingerprint, dtype_name(model.dtype), r.n_layers, r.n_kv_heads, r.head_dim)
         self.store = build_store(s, self.spec)
@@ -335,16 +338,19 @@ class Engine:
     def _encode(self, todo: dict[str, list[int]], context: list[int],
                 firsts: dict[tuple[int, ...], ChunkKV]) -> dict[str, ChunkKV]:
         """Each chunk's KV by key. A chunk precomputed after the prefix alone (no neighbour) has the
-        very rows its first-chunk encoding began with: they are cut from it, not encoded again."""
+        very rows its first-chunk encoding began with: they are cut from it, not encoded again
+        (unless a chunk adapter makes chunk KV, which exact first chunks never use)."""
         leads = {key: self.keys.lead_ids(ids) for key, ids in todo.items()}
         out = {}
+        cut = self.keys.chunk_context == "prefix" and self.adapter is None
         for key, ids in todo.items():
-            kv = firsts.get(tuple(ids)) if self.keys.chunk_context == "prefix" and not leads[key] else None
+            kv = firsts.get(tuple(ids)) if cut and not leads[key] else None
             if kv is not None:
                 n = len(ids)
                 out[key] = ChunkKV(kv.k[:, :, :n].clone(), kv.v[:, :, :n].clone(), kv.positions[:n].clone())
         rest = [key for key in todo if key not in out]
-        out.update(zip(rest, encode_chunks(self.runner, context, [todo[k] for k in rest], [leads[k] for k in rest])))
+        out.update(zip(rest, encode_chunks(self.runner, context, [todo[k] for k in rest], [leads[k] for k in rest],
+                                           self.adapter)))
         return out
 
     def store_after(self, token_ids: list[int], plan: Plan, out: PrefillOutput, mode: str,
@@ -395,7 +401,8 @@ class Engine:
         # A key stored already was encoded by an earlier try (one whose switch waits, or cut short).
         stored = {key for key in todo if key in self.store}
         encode = [key for key in todo if key not in stored][:limit]
-        kvs = encode_chunks(self.runner, context, [todo[key][0] for key in encode], [todo[key][2] for key in encode])
+        kvs = encode_chunks(self.runner, context, [todo[key][0] for key in encode], [todo[key][2] for key in encode],
+                            self.adapter)
         for key, kv in zip(encode, kvs):
             self._store_chunk(key, kv)
         switch = {key: todo[key][:2] for key in [*stored, *encode]}

@@ -155,7 +155,7 @@ def summarize(engine: Engine, lengths: list[int], vs: list[Variant], per: dict) 
     meta = dict(n_prompts=len(lengths), model=s.model, dtype=str(engine.model.dtype).removeprefix("torch."),
                 device=str(engine.model.device), chunk_context=s.chunk_context,
                 neighbour_chunks=len(engine.keys.neighbours or []), neighbour_count=s.neighbour_count,
-                exact_first_chunk=s.exact_first_chunk,
+                exact_first_chunk=s.exact_first_chunk, chunk_adapter=engine.keys.adapter or "none",
                 deviation=s.deviation,
                 check_layers=list(engine.blend_cfg.check_layers), check_layer_kv=s.check_layer_kv,
                 weight_by_attention=s.weight_by_attention, stale_key_scale=engine.blend_cfg.stale_key_scale,

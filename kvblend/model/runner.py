@@ -13,12 +13,14 @@ sqrt(hidden) itself; logits may be soft-capped.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from .adapter import ChunkAdapter
 from .loader import LoadedModel
 from .rotary import apply_rope, layer_rotary_keys, rotaries
 
@@ -123,6 +125,18 @@ class Runner:
         self.max_len = cfg.max_position_embeddings
         self.windows = [self._window(layer) for layer in self.layers]
         self.dtype, self.device = model.dtype, model.device
+        # A chunk adapter acts only inside `adapting` (chunk precompute): every other pass is the
+        # model's own, with no extra operation at all.
+        self.adapter: ChunkAdapter | None = None
+
+    @contextmanager
+    def adapting(self, adapter: ChunkAdapter | None):
+        """Passes inside add the chunk adapter's deltas to the attention projections (None: none)."""
+        saved, self.adapter = self.adapter, adapter
+        try:
+            yield
+        finally:
+            self.adapter = saved
 
     def _window(self, layer) -> int | None:
         attn = layer.self_attn
@@ -157,6 +171,11 @@ class Runner:
         q = attn.q_proj(x).view(n, self.n_heads, self.head_dim)
         k = attn.k_proj(x).view(n, self.n_kv_heads, self.head_dim)
         v = attn.v_proj(x).view(n, self.n_kv_heads, self.head_dim)
+        if self.adapter is not None:
+            ad = self.adapter
+            q = q + ad.delta(layer, "q", x).view(q.shape)
+            k = k + ad.delta(layer, "k", x).view(k.shape)
+            v = v + ad.delta(layer, "v", x).view(v.shape)
         if hasattr(attn, "q_norm"):  # qwen3, gemma3
             q, k = attn.q_norm(q), attn.k_norm(k)
         cos, sin = rows.rope[self.layer_rope[layer]]
@@ -187,7 +206,10 @@ class Runner:
     def after_attention(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """o_proj of the attention output o [H, n, d], residual, MLP: the rows' next hidden states."""
         block = self.layers[layer]
-        o = block.self_attn.o_proj(o.transpose(0, 1).reshape(h.shape[0], -1))
+        flat = o.transpose(0, 1).reshape(h.shape[0], -1)
+        o = block.self_attn.o_proj(flat)
+        if self.adapter is not None:
+            o = o + self.adapter.delta(layer, "o", flat)
         if self.sandwich[layer]:  # gemma3: norms on the attention output and around the MLP
             h = h + block.post_attention_layernorm(o)
             return h + block.post_feedforward_layernorm(block.mlp(block.pre_feedforward_layernorm(h)))

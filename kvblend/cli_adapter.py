@@ -1,0 +1,76 @@
+"""`kvblend adapter train`: a chunk adapter for a model, learned from its own full prefill over the
+user's documents and questions (no answers needed: the model is its own teacher)."""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from pathlib import Path
+
+
+def cmd_train(settings, args) -> int:
+    from .engine.engine import Engine
+    from .eval.datasets import load_dataset
+    from .eval.machine import cpu_name
+    from .model.aliases import cache_dir
+    from .model.loader import load_model
+    from .train.data import build_prompts, teach
+    from .train.trainer import TrainConfig, train
+
+    cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, rank=args.rank,
+                      alpha=args.alpha, dev_every=args.dev_every, seed=args.seed, student=args.student)
+    # The engine that trains makes chunk KV with the adapter being trained, never with another one.
+    settings = settings.model_copy(update={"chunk_adapter": "none"})
+    engine = Engine(load_model(settings.model, settings.dtype, settings.device), settings)
+    records = [r for path in args.data for r in load_dataset(path, limit=args.limit, offset=args.offset)]
+    prompts = build_prompts(engine, records, args.max_tokens, seed=args.seed)
+    random.Random(args.seed).shuffle(prompts)
+    if len(prompts) <= args.dev:
+        raise ValueError(f"{len(prompts)} prompts fit in --max-tokens {args.max_tokens}: "
+                         f"need more than --dev {args.dev}")
+    examples = teach(engine, prompts, args.positions)
+    dev, train_set = examples[:args.dev], examples[args.dev:]
+    out = Path(args.out)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else cache_dir() / "adapter-checkpoints" / f"{out.stem}.pt"
+    info = {"model": settings.model, "dtype": str(engine.model.dtype).removeprefix("torch."),
+            "data": [str(p) for p in args.data], "offset": args.offset, "prompts": len(train_set),
+            "dev_prompts": len(dev), "max_tokens": args.max_tokens, "cpu": cpu_name(),
+            "date": time.strftime("%Y-%m-%d")}
+    print(f"training a chunk adapter for {settings.model} on {len(train_set)} prompts ({len(dev)} for dev); "
+          f"checkpoint {checkpoint}")
+    history = train(engine, train_set, dev, out, checkpoint, cfg, info)
+    print(json.dumps({"dev": [{k: v for k, v in d.items() if k != "per_prompt"} for d in history.dev],
+                      "best_step": history.best_step, "best_kl_answer": history.best_kl}, indent=1))
+    if history.best_step < 0:
+        print(f"no step beat the model without an adapter on the dev prompts: {out} was not written")
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+def add_parser(sub, add_engine_flags):
+    adapter = sub.add_parser("adapter", help="train a chunk adapter for a model")
+    asub = adapter.add_subparsers(dest="adapter_command", required=True)
+    t = asub.add_parser("train", help="learn a chunk adapter from the model's own full prefill on your documents")
+    add_engine_flags(t)
+    t.add_argument("--data", action="append", required=True,
+                   help="questions over documents: CacheBlend .json, LongBench .jsonl or NQ-open .jsonl(.gz) (repeat)")
+    t.add_argument("--offset", type=int, default=0, help="skip each file's first N records (keep them to report on)")
+    t.add_argument("--limit", type=int, help="records of each file (default: all)")
+    t.add_argument("--max-tokens", type=int, default=1536, help="prompt length: passages beyond it are left out")
+    t.add_argument("--dev", type=int, default=8, help="prompts kept aside to choose the best step on")
+    t.add_argument("--positions", type=int, default=16, help="answer positions the loss compares")
+    t.add_argument("--steps", type=int, default=200)
+    t.add_argument("--batch", type=int, default=4)
+    t.add_argument("--lr", type=float, default=1e-3)
+    t.add_argument("--warmup", type=int, default=10)
+    t.add_argument("--rank", type=int, default=8)
+    t.add_argument("--alpha", type=float, default=16.0)
+    t.add_argument("--dev-every", type=int, default=25)
+    t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--student", choices=["blend", "reuse"], default="blend",
+                   help="train for blend at the configured ratio (default) or for plain reuse")
+    t.add_argument("--out", required=True, help="the adapter file written (the dev prompts' best step)")
+    t.add_argument("--checkpoint", help="resumable training state (default: in the kvblend cache, by --out's name)")
+    return adapter

@@ -1,0 +1,168 @@
+"""Chunk adapters: low-rank deltas used only while chunk KV is precomputed (kvblend/model/adapter.py),
+and their training by self-distillation (kvblend/train)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from kvblend.blend.segment import join_segments
+from kvblend.config import Settings
+from kvblend.engine.engine import Engine
+from kvblend.eval.harness import forced_logits, greedy, teacher_forced
+from kvblend.model.adapter import AdapterError, ChunkAdapter, resolve_adapter
+from kvblend.train.data import Example, teach
+from kvblend.train.student import topk_kl
+from kvblend.train.trainer import TrainConfig, student_loss, train
+
+SEP = [7, 7, 3]
+PREFIX, SUFFIX = [1, 20, 21, 22, 23, 24], [30, 31, 32, 33, 34]
+
+
+def prompt(seed=0, n=4, length=24):
+    g = torch.Generator().manual_seed(seed)
+    return join_segments(PREFIX, [torch.randint(10, 300, (length,), generator=g).tolist() for _ in range(n)],
+                         SUFFIX, SEP)
+
+
+def engine(family="llama", adapter="none", **settings):
+    return Engine(tiny_model(family), Settings(**{"check_layers": [1], "recompute_ratios": [0.15],
+                                                  "min_recompute_tokens": 0, "kv_half": False,
+                                                  "chunk_adapter": str(adapter), **settings}), sep_ids=SEP)
+
+
+def trained_like(model_config, seed=1) -> ChunkAdapter:
+    """An adapter whose deltas are not zero (as after training)."""
+    adapter = ChunkAdapter.for_model(model_config, rank=4, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for b in adapter.b.values():
+            b.copy_(0.05 * torch.randn(b.shape, generator=g))
+    return adapter
+
+
+def test_an_adapter_round_trips_through_its_file(tmp_path):
+    adapter = trained_like(tiny_model("qwen2").config)
+    adapter.info = {"model": "tiny", "step": 3}
+    adapter.save(tmp_path / "a.safetensors")
+    back = ChunkAdapter.load(tmp_path / "a.safetensors")
+    assert back.identity == adapter.identity
+    assert back.info == adapter.info and back.rank == 4 and back.shapes == adapter.shapes
+    for name, p in adapter.state_dict().items():
+        assert torch.equal(back.state_dict()[name], p)
+
+
+def test_an_untrained_adapter_changes_nothing_and_its_identity_follows_its_weights():
+    cfg = tiny_model("llama").config
+    adapter = ChunkAdapter.for_model(cfg)
+    x = torch.randn(5, cfg.hidden_size)
+    assert torch.equal(adapter.delta(0, "k", x), torch.zeros(5, adapter.shapes["k"][1]))
+    assert trained_like(cfg, 1).fresh_identity() != trained_like(cfg, 2).fresh_identity()
+
+
+def test_bad_adapter_files_are_clear_errors(tmp_path):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(b"not a safetensors file")
+    with pytest.raises(AdapterError, match="cannot be read"):
+        ChunkAdapter.load(bad)
+    with pytest.raises(AdapterError, match="not found"):
+        ChunkAdapter.load(tmp_path / "missing.safetensors")
+    other = trained_like(tiny_model("llama", num_hidden_layers=2).config)  # fewer layers
+    other.save(tmp_path / "other.safetensors")
+    with pytest.raises(AdapterError, match="does not fit"):
+        resolve_adapter(str(tmp_path / "other.safetensors"), "tiny", tiny_model("llama").config)
+    assert resolve_adapter("auto", "a-model-with-none-shipped", tiny_model("llama").config) is None
+
+
+@pytest.fixture
+def adapter_file(tmp_path):
+    path = tmp_path / "adapter.safetensors"
+    trained_like(tiny_model("llama").config).save(path)
+    return path
+
+
+def test_chunk_keys_name_the_adapter_and_prefix_keys_do_not(adapter_file):
+    ids = prompt()
+    with_adapter, without = engine(adapter=adapter_file), engine()
+    seg = without.segments(ids)
+    chunk = ids[seg.chunks[1][0]:seg.chunks[1][1]]
+    context = without.keys.context_ids(ids, seg)
+    assert with_adapter.keys.adapter == ChunkAdapter.load(adapter_file).identity
+    assert with_adapter.keys.chunk_key(chunk, context) != without.keys.chunk_key(chunk, context)
+    bounds = [(0, seg.exact_end)]
+    assert with_adapter.keys.prefix_keys(ids, bounds) == without.keys.prefix_keys(ids, bounds)
+
+
+def test_the_adapter_changes_only_stored_chunk_kv(adapter_file):
+    ids = prompt()
+    on, off = engine(adapter=adapter_file), engine()
+    for e in (on, off):
+        e.precompute(ids)
+    _, full_on = on.prefill(ids, "full")
+    _, full_off = off.prefill(ids, "full")
+    assert torch.equal(full_on.logits, full_off.logits)  # the reader is the model alone
+    _, blend_on = on.prefill(ids, "blend")
+    _, blend_off = off.prefill(ids, "blend")
+    assert blend_on.stats.chunk_hits == blend_off.stats.chunk_hits == 4
+    assert not torch.equal(blend_on.logits, blend_off.logits)
+    # The first chunk is read exact from the prefix cache: no adapter in its rows.
+    first = off.segments(ids).chunks[0]
+    assert torch.equal(blend_on.cache.k[:, :, first[0]:first[1]], blend_off.cache.k[:, :, first[0]:first[1]])
+
+
+def test_an_adapter_turned_off_gives_todays_output_bit_for_bit(adapter_file):
+    ids = prompt(seed=3)
+    outputs = []
+    for e in (engine(adapter=adapter_file, chunk_adapter="none"), engine(chunk_adapter="auto")):
+        e.precompute(ids)
+        _, out = e.prefill(ids, "blend")
+        outputs.append(out)
+    assert outputs[0].stats.selected_positions == outputs[1].stats.selected_positions
+    assert torch.equal(outputs[0].logits, outputs[1].logits)
+    assert torch.equal(outputs[0].cache.k, outputs[1].cache.k)
+
+
+def example(e, ids, n=8):
+    _, full = e.prefill(ids, "full", 40)
+    answer = greedy(e, full, len(ids), n + 1)
+    logp, idx = torch.log_softmax(teacher_forced(e, full, len(ids), answer, n).float(), -1).topk(64, dim=-1)
+    return Example(ids, e.segments(ids), answer, logp, idx)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_student_computes_what_the_engine_serves(family):
+    """Trained through the student, the adapter is scored through the engine: the two agree."""
+    e = engine(family)
+    ids = prompt(seed=5)
+    ex = example(e, ids)
+    e.precompute(ids)
+    for ratio in (0.0, 1.0):
+        cfg = replace(e.blend_cfg, ratios=[ratio])
+        with torch.no_grad():
+            student = float(student_loss(e, None, ex, "blend", cfg))
+        served, _ = forced_logits(e, ids, "blend", cfg, ex.answer, ex.n_positions)
+        assert student == pytest.approx(float(topk_kl(ex.logp, ex.idx, served).mean()), rel=0.05, abs=1e-7)
+    assert student == pytest.approx(0.0, abs=1e-6)  # ratio 1.0: full prefill
+
+
+def test_a_tiny_models_adapter_trains_lowers_its_kl_and_resumes(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVBLEND_CACHE_DIR", str(tmp_path / "cache"))
+    e = engine("qwen2", stale_key_scale=1.0)
+    examples = teach(e, [prompt(seed=s) for s in range(3)], positions=6, progress=False)
+    assert (tmp_path / "cache" / "adapter-teacher").is_dir()  # the teacher is kept for the next run
+    cfg = TrainConfig(steps=12, batch=3, lr=3e-3, warmup=1, rank=4, dev_every=4)
+    out, checkpoint = tmp_path / "a.safetensors", tmp_path / "state.pt"
+    history = train(e, examples, examples, out, checkpoint, cfg, progress=False)
+    assert history.best_step > 0 and history.best_kl < 0.5 * history.dev[0]["kl_answer"]
+    adapter = ChunkAdapter.load(out)
+    assert adapter.info["step"] == history.best_step
+    # Served with the adapter it wrote, the engine's own blend path scores what training measured.
+    served = engine("qwen2", adapter=out, stale_key_scale=1.0)
+    from kvblend.train.trainer import dev_score
+    assert dev_score(served, served.adapter, examples)["kl_answer"] == pytest.approx(history.best_kl, rel=1e-4)
+    # Finished: running it again resumes at the end; other settings refuse the checkpoint.
+    again = train(e, examples, examples, out, checkpoint, cfg, progress=False)
+    assert len(again.steps) == 12
+    with pytest.raises(ValueError, match="other settings"):
+        train(e, examples, examples, out, checkpoint, replace(cfg, lr=1e-3), progress=False)
