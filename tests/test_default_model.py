@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kvblend import LLM, SamplingParams
+from kvblend.blend.segment import SeparatorInDocument
 from kvblend.config import Settings
 from kvblend.engine.engine import Engine, RequestError
 
@@ -91,3 +92,12 @@ def test_bad_requests_are_clear_errors(llm):
         llm.generate()
     with pytest.raises(RequestError, match="unknown mode"):
         llm.generate("hi", mode="turbo")
+
+
+def test_a_document_holding_the_separator_is_refused_on_every_python_way_in(llm):
+    docs = ["The bridge has seven arches.", f"Marrowick{llm.settings.separator} lies on the Tesk."]
+    with pytest.raises(SeparatorInDocument, match="document 2 holds the separator"):
+        llm.generate("How many arches?", documents=docs)
+    with pytest.raises(SeparatorInDocument, match="document 2"):
+        llm.store_documents(docs)
+    assert llm.store_documents(docs[:1]) == 1  # the others are kept whole, as ever

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kvblend.blend.segment import (find_separators, join_segments, segment, separator_ids,
-                                   tokenize_prompt)
+from kvblend.blend.segment import (SeparatorInDocument, check_documents_kept_whole, find_separators, join_segments,
+                                   segment, separator_ids, tokenize_prompt)
 
 SEP = [9, 9]
 
@@ -104,6 +104,24 @@ def test_join_then_segment_drops_empty_chunks_only() -> None:
     ids = join_segments([1], [[2], [], [3]], [4], SEP)
     seg = segment(ids, SEP)
     assert [ids[a:b] for a, b in seg.chunks] == [[2], [3]]
+
+
+@pytest.mark.parametrize("docs,bad", [
+    ([[2], [3, 9, 9, 4], [5]], 2),  # the separator inside a document
+    ([[2, 9], [3]], 1),  # a document ending in the separator's first id: the joined ids move the separator
+    ([[9], [3]], 1),
+])
+def test_a_document_holding_the_separator_is_refused_by_number(docs, bad) -> None:
+    prefix = [1]
+    ids = join_segments(prefix, docs, [7], SEP)
+    with pytest.raises(SeparatorInDocument, match=f"document {bad} holds the separator"):
+        check_documents_kept_whole(ids, prefix, docs, SEP)
+
+
+def test_documents_kept_whole_pass_and_a_question_may_hold_the_separator() -> None:
+    docs = [[2], [3, 4], [], [5]]
+    check_documents_kept_whole(join_segments([1], docs, [7, 9, 9, 8], SEP), [1], docs, SEP)
+    check_documents_kept_whole(join_segments([9, 9, 1], docs, [7], SEP), [9, 9, 1], docs, SEP)
 
 
 # ---- tokenize_prompt with the default model's tokenizer -----------------------------------------

@@ -159,6 +159,18 @@ def test_malformed_chat_and_chunks(server):
     assert_error(c.put("/v1/completions"), 405)
 
 
+@pytest.mark.parametrize("route,body", [
+    ("/v1/completions", {"prompt": "How many arches?"}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "How many arches?"}]}),
+    ("/v1/chunks", {}),
+])
+def test_a_document_holding_the_separator_is_refused_on_every_route(server, route, body):
+    docs = ["The bridge has seven arches.", "Marrowick # #  lies on the Tesk."]
+    r = http(server).post(route, json={"model": MODEL_NAME, "max_tokens": 2, **body, "documents": docs})
+    assert_error(r, 400, "documents")
+    assert "document 2 holds the separator" in r.json()["error"]["message"]
+
+
 def test_body_size_limit(server):
     c = http(server)
     assert_error(c.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "x" * 30_000}), 413)

@@ -61,6 +61,11 @@ def segment(token_ids: Sequence[int], sep: Sequence[int]) -> Segments:
     return Segments(n, prefix, chunks, seps, (seps[-1][1], n))
 
 
+class SeparatorInDocument(ValueError):
+    """A document whose token ids hold the separator's (alone, or with its neighbours' ids): as a
+    chunk it would be split in two, so it is refused on every way in rather than split silently."""
+
+
 def join_segments(prefix: Sequence[int], chunks: Sequence[Sequence[int]], suffix: Sequence[int],
                   sep: Sequence[int]) -> list[int]:
     """prefix SEP c1 SEP c2 ... SEP cn SEP suffix, from token ids."""
@@ -68,6 +73,24 @@ def join_segments(prefix: Sequence[int], chunks: Sequence[Sequence[int]], suffix
     for chunk in chunks:
         ids += list(sep) + list(chunk)
     return ids + list(sep) + list(suffix)
+
+
+def check_documents_kept_whole(ids: Sequence[int], prefix: Sequence[int], docs: Sequence[Sequence[int]],
+                               sep: Sequence[int]) -> None:
+    """Raise SeparatorInDocument unless the separators between the prefix and the suffix of `ids`
+    (join_segments of `prefix`, `docs` and a suffix) are exactly the ones joining put there."""
+    at, joined = len(prefix), []
+    for doc in docs:
+        joined.append((at, at + len(sep)))
+        at += len(sep) + len(doc)
+    joined.append((at, at + len(sep)))
+    found = [s for s in find_separators(ids, sep) if s[1] > joined[0][0] and s[0] < joined[-1][1]]
+    if found != joined:
+        # The first separator out of place ends the document that holds it (1-based: its index).
+        bad = next((i for i, (f, j) in enumerate(zip(found, joined)) if f != j), len(found))
+        raise SeparatorInDocument(f"document {min(max(bad, 1), len(docs))} holds the separator's tokens (alone or "
+                                  "with the tokens around it), so it would be split into two chunks: remove the "
+                                  "separator text from it, or serve with another separator")
 
 
 def tokenize_prompt(tokenizer, text: str, separator: str) -> list[int]:
@@ -102,5 +125,7 @@ def rag_prompt_ids(tokenizer, sep: Sequence[int], system: str, question: str,
         head_specials = True  # BOS where the tokenizer adds one (Gemma 3 base reads garbage without it)
     head, tail = text.split(mark)
     docs = [tokenizer.encode(d, add_special_tokens=False) for d in documents]
-    return join_segments(tokenizer.encode(head, add_special_tokens=head_specials), docs,
-                         tokenizer.encode(tail, add_special_tokens=False), sep)
+    prefix = tokenizer.encode(head, add_special_tokens=head_specials)
+    ids = join_segments(prefix, docs, tokenizer.encode(tail, add_special_tokens=False), sep)
+    check_documents_kept_whole(ids, prefix, docs, sep)
+    return ids

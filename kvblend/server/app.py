@@ -253,8 +253,8 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
         except RequestError as e:
             raise bad_request(str(e), "documents") from None
         seg = engine.segments(ids)
-        if len(seg.chunks) != len(body.documents):
-            raise bad_request(f"a document contains the separator {engine.settings.separator!r}", "documents")
+        if len(seg.chunks) != len(body.documents):  # separators inside documents were refused above
+            raise bad_request("a document holds no tokens: each must hold text", "documents")
         ns = namespace(base, body.namespace)
 
         def precompute(eng: Engine):

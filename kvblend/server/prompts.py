@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from ..api import DEFAULT_SYSTEM
-from ..blend.segment import docs_mark, join_segments, rag_prompt_ids, tokenize_prompt
+from ..blend.segment import (SeparatorInDocument, check_documents_kept_whole, docs_mark, join_segments,
+                             rag_prompt_ids, tokenize_prompt)
 from .errors import bad_request
 
 
@@ -39,7 +40,7 @@ def completion_ids(tokenizer, separator: str, sep_ids: list[int], prompt: str | 
         return prompt
     _need_tokenizer(tokenizer)
     if documents:
-        return rag_prompt_ids(tokenizer, sep_ids, system or DEFAULT_SYSTEM, prompt, documents)
+        return _refused(rag_prompt_ids, tokenizer, sep_ids, system or DEFAULT_SYSTEM, prompt, documents)
     return tokenize_prompt(tokenizer, prompt, separator)
 
 
@@ -62,14 +63,24 @@ def chat_ids(tokenizer, separator: str, sep_ids: list[int], messages: list[dict]
         messages.insert(0, {"role": "system", "content": system or DEFAULT_SYSTEM})
     head, tail = chat_text(tokenizer, messages).split(mark)
     docs = [tokenizer.encode(d, add_special_tokens=False) for d in documents]
-    return join_segments(tokenizer.encode(head, add_special_tokens=False), docs,
-                         tokenizer.encode(tail, add_special_tokens=False), sep_ids)
+    prefix = tokenizer.encode(head, add_special_tokens=False)
+    ids = join_segments(prefix, docs, tokenizer.encode(tail, add_special_tokens=False), sep_ids)
+    _refused(check_documents_kept_whole, ids, prefix, docs, sep_ids)
+    return ids
 
 
 def chunk_prompt_ids(tokenizer, sep_ids: list[int], documents: Sequence[str], system: str | None) -> list[int]:
     """The prompt /v1/chunks precomputes: the documents after the system prompt, an empty question."""
     _need_tokenizer(tokenizer)
-    return rag_prompt_ids(tokenizer, sep_ids, system or DEFAULT_SYSTEM, "", documents)
+    return _refused(rag_prompt_ids, tokenizer, sep_ids, system or DEFAULT_SYSTEM, "", documents)
+
+
+def _refused(build, *args):
+    """`build(*args)`, a document holding the separator refused as a 400 naming `documents`."""
+    try:
+        return build(*args)
+    except SeparatorInDocument as e:
+        raise bad_request(str(e), "documents") from None
 
 
 def _need_tokenizer(tokenizer) -> None:
