@@ -41,7 +41,7 @@ models: setup
 # The demo runs on the smallest shipped model whose own full-prefill answers to its questions are
 # right (Qwen2.5-Coder-0.5B-Instruct); LLM(), serve and eval keep the 135M default.
 DEMO_MODEL ?= qwen2.5-coder-0.5b-instruct
-demo: setup
+demo: $(STAMP)  # no Redis: the demo keeps its chunks in memory
 	$(VENV)/bin/kvblend demo --model $(DEMO_MODEL)
 
 test: setup

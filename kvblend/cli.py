@@ -210,6 +210,9 @@ def cmd_eval(args) -> int:
     from .eval.report import format_table, write_report
     from .model.loader import load_model
 
+    if args.mode is not None or args.recompute_ratios is not None:  # eval sweeps them: say so, never ignore them
+        raise ValueError("kvblend eval runs every mode of --modes and every ratio of --ratios; "
+                         "--mode and --recompute-ratios set a single request's")
     settings = _settings(args)
     records = load_dataset(args.data, limit=args.limit, nq_k=args.nq_k, nq_gold_pos=args.nq_gold_pos,
                            offset=args.offset)

@@ -75,3 +75,9 @@ def test_generate_and_errors(capsys):
     assert "unknown model 'no-such-model'" in capsys.readouterr().err
     assert main(["generate", "--prompt", "hi", "--recompute-ratios", "-1"]) == 2
     assert "recompute_ratios" in capsys.readouterr().err
+
+
+def test_eval_refuses_the_flags_it_would_ignore(tmp_path, capsys):
+    for flags in (["--recompute-ratios", "0.3"], ["--mode", "reuse"]):
+        assert main(["eval", "--data", str(tmp_path / "none.json"), *flags]) == 2
+        assert "--modes" in capsys.readouterr().err
