@@ -359,6 +359,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ModelLoadError, RequestError, ValidationError, FileNotFoundError, ValueError) as e:
         print(f"kvblend: error: {e}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as e:  # a command whose extra is not installed
+        extra = EXTRAS.get((e.name or "").split(".")[0])
+        if extra is None:
+            raise
+        print(f"kvblend: error: `kvblend {args.command}` needs {e.name}, in the [{extra}] extra: "
+              f"pip install 'kvblend[{extra}]'", file=sys.stderr)
+        return 2
+
+
+# Modules of the optional extras (pyproject.toml): the offline engine runs without them.
+EXTRAS = {"fastapi": "server", "uvicorn": "server", "prometheus_client": "server", "redis": "redis",
+          "matplotlib": "eval", "rouge_score": "eval"}
 
 
 if __name__ == "__main__":

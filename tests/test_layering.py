@@ -90,3 +90,43 @@ def test_the_check_sees_relative_and_function_level_imports(tmp_path, monkeypatc
     (fake / "store" / "x.py").write_text(source)
     monkeypatch.setattr(sys.modules[__name__], "PACKAGE", fake)
     assert upward_imports(fake / "store" / "x.py") == expected
+
+
+def test_the_offline_engine_imports_without_the_extras():
+    """`pip install kvblend` (no [server], [redis] or [eval] extra) gives LLM: importing kvblend
+    neither needs nor loads fastapi, uvicorn, prometheus-client, redis, matplotlib or rouge-score."""
+    import subprocess
+
+    extras = ["fastapi", "uvicorn", "prometheus_client", "redis", "matplotlib", "rouge_score"]
+    code = ("import sys\n"
+            f"for name in {extras!r}:\n"
+            "    sys.modules[name] = None  # as if not installed: importing it raises\n"
+            "import kvblend\n"
+            "from kvblend import LLM, SamplingParams\n"
+            "from kvblend.engine.engine import Engine\n"
+            "from kvblend.store.tiered import build_store\n"
+            "from kvblend.config import Settings\n"
+            "build_store(Settings(local_disk=sys.argv[1]), None)\n"
+            "try:\n"
+            "    build_store(Settings(remote_url='redis://127.0.0.1:1'), None)\n"
+            "except ValueError as e:\n"
+            "    assert \"kvblend[redis]\" in str(e), e\n"
+            "else:\n"
+            "    raise AssertionError('a Redis tier without redis-py')\n")
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        done = subprocess.run([sys.executable, "-c", code, d], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_a_command_whose_extra_is_missing_says_which_to_install(monkeypatch, capsys):
+    import kvblend.cli as cli
+
+    def needs_fastapi(args):
+        raise ModuleNotFoundError("No module named 'fastapi'", name="fastapi")
+
+    parser = cli.build_parser()
+    monkeypatch.setattr(cli, "build_parser", lambda: parser)
+    parser._subparsers._group_actions[0].choices["serve"].set_defaults(func=needs_fastapi)
+    assert cli.main(["serve"]) == 2
+    assert "pip install 'kvblend[server]'" in capsys.readouterr().err

@@ -17,10 +17,15 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-import redis
+from typing import TYPE_CHECKING
 
 from ..config import namespace_file
-from .redis_tier import RedisTier, TierDown
+from .tier import TierDown
+
+if TYPE_CHECKING:  # redis is the [redis] extra: imported where a Redis tier is configured, not here
+    import redis
+
+    from .redis_tier import RedisTier
 
 log = logging.getLogger(__name__)
 

@@ -25,14 +25,10 @@ from redis.retry import Retry
 from .chunk_kv import ChunkKV
 from .entry_format import BadEntry, EntryMeta, EntrySpec, check_meta, describe, raw_bytes, specs_nbytes
 from .probe_copy import entry_parts as compact_copy
-from .tier import Counters, StoredEntry
+from .tier import Counters, StoredEntry, TierDown
 
 log = logging.getLogger(__name__)
 URL_SCHEMES = ("redis://", "rediss://", "unix://")
-
-
-class TierDown(Exception):
-    pass
 
 
 def encode_layer(parts: dict[str, torch.Tensor]) -> bytes:

@@ -17,6 +17,10 @@ from .half import HalfKV
 from .int8 import QuantKV, dequantize_tensor
 
 
+class TierDown(Exception):
+    """A shared tier that cannot be reached now (Redis down): reads miss, writes wait."""
+
+
 class Tier(Protocol):
     name: str
     capacity_bytes: int

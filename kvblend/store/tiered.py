@@ -16,7 +16,6 @@ from .chunk_kv import ChunkKV
 from .disk import DiskTier
 from .entry_format import BadEntry, EntrySpec
 from .memory import MemoryStore
-from .redis_tier import RedisTier
 from .tier import StoredEntry, Tier
 from .writer import BackgroundWriter
 
@@ -274,5 +273,10 @@ def build_store(s: Settings, spec: EntrySpec | None) -> TieredStore:
     if s.local_disk:
         tiers.append(DiskTier(s.local_disk, int(s.max_local_disk_size * GIB), spec))
     if s.remote_url:
+        try:  # redis-py (the [redis] extra) only where a Redis tier is asked for
+            from .redis_tier import RedisTier
+        except ModuleNotFoundError as e:
+            raise ValueError(f"remote_url needs redis-py ({e.name} is missing): pip install 'kvblend[redis]'") from e
+
         tiers.append(RedisTier(s.remote_url, int(s.max_remote_size * GIB), spec, s.remote_ttl))
     return TieredStore(tiers)
