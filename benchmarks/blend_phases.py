@@ -32,10 +32,8 @@ from kvblend.eval import machine
 from kvblend.eval.harness import prompt_ids
 from kvblend.model import runner as runner_mod
 from kvblend.model.loader import load_model
-from flops import work_frac  # this script's folder is on sys.path
-from variants import parse_grid
-
-
+from kvblend.eval.flops import work_frac
+from kvblend.eval.variants import parse_grid
 def cpu_name() -> str:
     return f"{machine.cpu_name()[:-1]}, {torch.get_num_threads()} threads)"
 

@@ -20,9 +20,7 @@ import torch
 from kvblend.blend.loader import ChunkLoader
 from kvblend.eval.harness import prompt_ids
 from blend_phases import cpu_name  # this script's folder is on sys.path
-from dev_records import add_record_flags, open_records
-
-
+from kvblend.eval.dev_records import add_record_flags, open_records
 def median_s(fn, repeats: int) -> float:
     fn()
     times = []

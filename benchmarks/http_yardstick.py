@@ -48,7 +48,7 @@ from pathlib import Path
 import httpx
 import torch
 from blend_phases import cpu_name  # this script's folder is on sys.path
-from dev_records import add_record_flags
+from kvblend.eval.dev_records import add_record_flags
 from local_servers import redis_server, serve
 from tqdm import tqdm
 

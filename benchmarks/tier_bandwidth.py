@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from storage_bench import drop_page_cache, redis_and_scratch, save_json  # noqa: E402
+from storage_bench import drop_page_cache, redis_and_scratch, save_json
 
-from kvblend.store.chunk_kv import ChunkKV  # noqa: E402
-from kvblend.store.disk import DiskTier  # noqa: E402
-from kvblend.store.entry_format import EntrySpec, dtype_name  # noqa: E402
-from kvblend.store.int8 import quantize  # noqa: E402
-from kvblend.store.redis_tier import RedisTier  # noqa: E402
+from kvblend.store.chunk_kv import ChunkKV
+from kvblend.store.disk import DiskTier
+from kvblend.store.entry_format import EntrySpec, dtype_name
+from kvblend.store.int8 import quantize
+from kvblend.store.redis_tier import RedisTier
 
 
 def read_all(tier, key: str) -> float:

@@ -14,18 +14,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 from tqdm import tqdm
 
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records, flops
-from dev_records import add_record_flags, open_records  # noqa: E402
-from flops import work_frac  # noqa: E402
+from kvblend.eval.dev_records import add_record_flags, open_records
+from kvblend.eval.flops import work_frac
 
 
 def main() -> None:

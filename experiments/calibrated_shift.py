@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -33,13 +31,11 @@ from tqdm import tqdm
 from kvblend.eval.datasets import load_dataset
 from kvblend.eval.harness import index_dataset, prompt_ids
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exact_selected import print_scores  # noqa: E402
-from key_drift import (cached, mean_shift, reused_rows, score_chunk_shifts, score_oracle_shift,  # noqa: E402
+from exact_selected import print_scores
+from key_drift import (cached, mean_shift, reused_rows, score_chunk_shifts, score_oracle_shift,
                        scored_record)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
-from dev_records import add_record_flags, open_records  # noqa: E402
+from kvblend.eval.dev_records import add_record_flags, open_records
 
 
 @torch.inference_mode()

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 from importlib import resources
-from pathlib import Path
 
 import torch
 
 from kvblend.api import LLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records, variants
-from variants import parse_grid  # noqa: E402
+from kvblend.eval.variants import parse_grid
 
 
 def main() -> None:

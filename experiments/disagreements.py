@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -22,8 +21,7 @@ from tqdm import tqdm
 
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records, variants
-from dev_records import add_record_flags, open_records  # noqa: E402
+from kvblend.eval.dev_records import add_record_flags, open_records
 
 NEAR_TIE = 0.1  # full's top-1 probability minus its runner-up's
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -39,8 +38,7 @@ from kvblend.engine.engine import Engine
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records, variants
-from dev_records import add_record_flags, open_records  # noqa: E402
+from kvblend.eval.dev_records import add_record_flags, open_records
 
 FORCED: dict = {}  # "scores": [T] tensor ranking the reused tokens, while a forced variant runs
 PROBED: dict = {}  # "attention": the probe's attention mass of the last blend prefill

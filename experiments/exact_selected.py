@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
@@ -29,8 +27,7 @@ from tqdm import tqdm
 from kvblend.eval.harness import REFERENCE_CAPACITY, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
-from dev_records import add_record_flags, open_records  # noqa: E402
+from kvblend.eval.dev_records import add_record_flags, open_records
 
 POSITIONS = 16
 

@@ -18,7 +18,6 @@ answer rows computed fresh against each cache):
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -28,11 +27,9 @@ from tqdm import tqdm
 from kvblend.blend.key_shift import evenly_spaced
 from kvblend.eval.harness import REFERENCE_CAPACITY, full_reference, prompt_ids
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from exact_selected import print_scores, score_against  # noqa: E402
+from exact_selected import print_scores, score_against
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
-from dev_records import add_record_flags, open_records  # noqa: E402
+from kvblend.eval.dev_records import add_record_flags, open_records
 
 
 def unrotated(runner, layer: int, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

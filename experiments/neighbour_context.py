@@ -18,9 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import statistics
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -32,8 +30,7 @@ from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
 from kvblend.model.loader import load_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records, variants
-from dev_records import add_record_flags  # noqa: E402
+from kvblend.eval.dev_records import add_record_flags
 
 
 def outside_index(engine: Engine, others: list[list[int]], own: list[list[int]]) -> NeighbourIndex:

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 from dataclasses import replace
-from pathlib import Path
 
 from tqdm import tqdm
 
@@ -25,8 +23,7 @@ from kvblend.eval.datasets import load_dataset
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
-from dev_records import add_record_flags, open_records  # noqa: E402
+from kvblend.eval.dev_records import add_record_flags, open_records
 
 
 def main() -> None:

@@ -27,8 +27,7 @@ from tqdm import tqdm
 from kvblend.eval.harness import REFERENCE_CAPACITY, greedy, prompt_ids, teacher_forced
 from kvblend.eval.metrics import kl_divergence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records
-from dev_records import add_record_flags, open_records  # noqa: E402
+from kvblend.eval.dev_records import add_record_flags, open_records
 
 
 class Bf16Rounding:

@@ -14,13 +14,10 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
-from pathlib import Path
 
 from kvblend.api import LLM, SamplingParams
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # variants
-from variants import parse_grid  # noqa: E402
+from kvblend.eval.variants import parse_grid
 
 
 def answers(llm: LLM, data: dict, mode: str, max_tokens: int) -> tuple[list[str], list[float]]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -25,10 +24,9 @@ from tqdm import tqdm
 from kvblend.eval.harness import forced_logits, full_reference, prompt_ids
 from kvblend.eval.metrics import kl_divergence
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))  # dev_records, flops, variants
-from dev_records import add_record_flags, open_records  # noqa: E402
-from flops import work_frac  # noqa: E402
-from variants import parse_grid  # noqa: E402
+from kvblend.eval.dev_records import add_record_flags, open_records
+from kvblend.eval.flops import work_frac
+from kvblend.eval.variants import parse_grid
 
 
 def main() -> None:

@@ -130,3 +130,13 @@ def test_a_command_whose_extra_is_missing_says_which_to_install(monkeypatch, cap
     parser._subparsers._group_actions[0].choices["serve"].set_defaults(func=needs_fastapi)
     assert cli.main(["serve"]) == 2
     assert "pip install 'kvblend[server]'" in capsys.readouterr().err
+
+
+def test_scripts_import_shared_helpers_from_the_package_not_through_sys_path():
+    """Benchmarks and experiments share helpers through kvblend.eval (dev_records, flops,
+    variants); a script's own folder is on its path by itself. sys.path edits hide a dependency."""
+    root = PACKAGE.parent
+    found = [f"{p.relative_to(root)}:{n}" for folder in ("benchmarks", "experiments")
+             for p in sorted((root / folder).glob("*.py"))
+             for n, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if "sys.path.insert" in line]
+    assert not found, found
