@@ -50,9 +50,9 @@ def leads(monkeypatch):
     seen = []
     encode = engine_module.encode_chunks
 
-    def spy(runner, context, chunk_ids, lead_ids=None):
+    def spy(runner, context, chunk_ids, lead_ids=None, adapter=None):
         seen.extend(zip(map(list, chunk_ids), lead_ids or [[]] * len(chunk_ids)))
-        return encode(runner, context, chunk_ids, lead_ids)
+        return encode(runner, context, chunk_ids, lead_ids, adapter)
 
     monkeypatch.setattr(engine_module, "encode_chunks", spy)
     return seen

@@ -1,0 +1,64 @@
+"""/v1/completions and /v1/chat/completions: a prompt (with its documents) in, tokens streamed or
+collected out. The handlers only build the request; the scheduler computes it."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import APIRouter, Depends, Request as HTTPRequest
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from . import prompts
+from .context import Server, server, tenant
+from .http_input import wait_disconnect
+from .replies import Reply
+from .scheduler import Request
+from .schemas import ChatRequest, CompletionRequest, Sampling
+from .text_stream import TextStream
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(request: HTTPRequest, base: str = Depends(tenant), s: Server = Depends(server)):
+    body = await s.body_of(request, CompletionRequest)
+    s.check_model(body.model)
+    s.check_documents(body.documents)
+    engine = s.engine
+    ids = prompts.completion_ids(s.tokenizer, engine.settings.separator, engine.sep_ids, body.prompt,
+                                 body.documents, body.system)
+    req = s.generation(body, ids, body.max_tokens, s.config.completion_max_tokens, s.namespace(base, body.namespace))
+    return await respond(s, request, req, body, "text_completion")
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: HTTPRequest, base: str = Depends(tenant), s: Server = Depends(server)):
+    body = await s.body_of(request, ChatRequest)
+    s.check_model(body.model)
+    s.check_documents(body.documents)
+    engine = s.engine
+    messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+    ids = prompts.chat_ids(s.tokenizer, engine.settings.separator, engine.sep_ids, messages, body.documents,
+                           body.system)
+    req = s.generation(body, ids, body.max_completion_tokens or body.max_tokens, s.config.max_tokens,
+                       s.namespace(base, body.namespace))
+    return await respond(s, request, req, body, "chat.completion")
+
+
+async def respond(s: Server, request: HTTPRequest, req: Request, body: Sampling, kind: str):
+    s.submit(req)
+    stream = Reply(req, TextStream(s.tokenizer, req.params.stop), kind, s.config.model_name, s.metrics,
+                   tokens_as_ids=body.return_tokens_as_token_ids)
+    if body.stream:
+        return StreamingResponse(stream.sse(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    collect = asyncio.ensure_future(stream.collect())
+    gone = asyncio.ensure_future(wait_disconnect(request))
+    await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+    gone.cancel()
+    if not collect.done():  # the client left: stop computing for it
+        req.cancel()
+        collect.cancel()
+        stream.client_left()
+        return Response(status_code=499)
+    return JSONResponse(collect.result())
