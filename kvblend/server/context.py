@@ -74,6 +74,13 @@ class Server:
         except ValidationError as e:
             raise validation_error(e.errors()[0]) from None
 
+    async def generation_body(self, request: HTTPRequest, schema: type[BaseModel]):
+        """A completion or chat body, its model and documents checked."""
+        body = await self.body_of(request, schema)
+        self.check_model(body.model)
+        self.check_documents(body.documents)
+        return body
+
     def check_model(self, name: str) -> None:
         if name != self.config.model_name:
             raise not_found(f"model {name!r} is not served here; this server serves {self.config.model_name!r}",

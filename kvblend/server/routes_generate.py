@@ -21,11 +21,8 @@ router = APIRouter()
 
 @router.post("/v1/completions")
 async def completions(request: HTTPRequest, base: str = Depends(tenant), s: Server = Depends(server)):
-    body = await s.body_of(request, CompletionRequest)
-    s.check_model(body.model)
-    s.check_documents(body.documents)
-    engine = s.engine
-    ids = prompts.completion_ids(s.tokenizer, engine.settings.separator, engine.sep_ids, body.prompt,
+    body = await s.generation_body(request, CompletionRequest)
+    ids = prompts.completion_ids(s.tokenizer, s.engine.settings.separator, s.engine.sep_ids, body.prompt,
                                  body.documents, body.system)
     req = s.generation(body, ids, body.max_tokens, s.config.completion_max_tokens, s.namespace(base, body.namespace))
     return await respond(s, request, req, body, "text_completion")
@@ -33,12 +30,9 @@ async def completions(request: HTTPRequest, base: str = Depends(tenant), s: Serv
 
 @router.post("/v1/chat/completions")
 async def chat_completions(request: HTTPRequest, base: str = Depends(tenant), s: Server = Depends(server)):
-    body = await s.body_of(request, ChatRequest)
-    s.check_model(body.model)
-    s.check_documents(body.documents)
-    engine = s.engine
+    body = await s.generation_body(request, ChatRequest)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    ids = prompts.chat_ids(s.tokenizer, engine.settings.separator, engine.sep_ids, messages, body.documents,
+    ids = prompts.chat_ids(s.tokenizer, s.engine.settings.separator, s.engine.sep_ids, messages, body.documents,
                            body.system)
     req = s.generation(body, ids, body.max_completion_tokens or body.max_tokens, s.config.max_tokens,
                        s.namespace(base, body.namespace))
