@@ -16,8 +16,10 @@ from rich.table import Table
 from . import cli_adapter
 
 
-def _add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """Flags that map onto Settings; unset flags leave env / YAML values alone."""
+def _add_engine_flags(p: argparse.ArgumentParser, research: bool = False) -> None:
+    """Flags that map onto Settings; unset flags leave env / YAML values alone. Research knobs
+    (off for every shipped model) are flags of `eval` only; elsewhere the environment and the YAML
+    file still set them."""
     p.add_argument("--config", help="YAML settings file")
     p.add_argument("--model", help="model name, HF folder or .gguf file (default smollm2-135m-instruct)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
@@ -43,13 +45,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="share of the layers below which the probe's attention is not summed (default: 1/3)")
     p.add_argument("--probe-suffix-tokens", type=int,
                    help="the probe computes only the suffix's last this many tokens (default: 32; 0: all of it)")
-    p.add_argument("--attention-power", type=float,
-                   help="selector score = attention^p x deviation (default: 1; 0: deviation alone among the candidates)")
-    p.add_argument("--stale-key-shift", type=float,
-                   help="after the check, move stale keys by this share of their chunk's measured shift (default: 0)")
-    p.add_argument("--shift-rows", type=int,
-                   help="with --stale-key-shift, rows of each chunk computed to measure the shift (default: 0: "
-                        "the selected rows measure it)")
+    if research:
+        _add_research_flags(p)
     p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
     p.add_argument("--neighbour-context", action=argparse.BooleanOptionalAction, default=None,
                    help="precompute each chunk of a known collection after its most similar chunk (default: on)")
@@ -68,6 +65,19 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="a namespace also read, never written: a collection published with "
                         "`kvblend store put --namespace NAME` that every API key's requests hit")
     _add_store_flags(p)
+
+
+def _add_research_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--attention-power", type=float,
+                   help="selector score = attention^p x deviation (default: 1; 0: deviation alone among the candidates)")
+    p.add_argument("--stale-key-shift", type=float,
+                   help="after the check, move stale keys by this share of their chunk's measured shift (default: 0)")
+    p.add_argument("--shift-rows", type=int,
+                   help="with --stale-key-shift, rows of each chunk computed to measure the shift (default: 0: "
+                        "the selected rows measure it)")
+
+
+_RESEARCH_FIELDS = ("attention_power", "stale_key_shift", "shift_rows")
 
 
 def _add_store_flags(p: argparse.ArgumentParser) -> None:
@@ -110,15 +120,14 @@ def _settings(args):
                          weight_by_attention=args.weight_by_attention, stale_key_scale=args.stale_key_scale,
                          probe_layers=args.probe_layers, check_candidates=args.check_candidates,
                          probe_separators=args.probe_separators, probe_attention_from=args.probe_attention_from,
-                         probe_suffix_tokens=args.probe_suffix_tokens, attention_power=args.attention_power,
-                         stale_key_shift=args.stale_key_shift, shift_rows=args.shift_rows,
-                         chunk_context=args.chunk_context,
+                         probe_suffix_tokens=args.probe_suffix_tokens, chunk_context=args.chunk_context,
                          neighbour_context=args.neighbour_context, neighbour_index=args.neighbour_index,
                          neighbour_count=args.neighbour_count,
                          exact_first_chunk=args.exact_first_chunk, chunk_adapter=args.chunk_adapter,
                          separator=args.separator,
                          namespace=args.namespace, shared_namespace=args.shared_namespace,
-                         **{name: getattr(args, name) for name in _STORE_FIELDS})
+                         **{name: getattr(args, name) for name in _STORE_FIELDS},
+                         **{name: getattr(args, name, None) for name in _RESEARCH_FIELDS})
 
 
 def _store_settings(args):
@@ -315,7 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="modes side by side on a RAG dataset, against full prefill")
-    _add_engine_flags(ev)
+    _add_engine_flags(ev, research=True)
     ev.add_argument("--data", required=True, help="CacheBlend .json, LongBench .jsonl or NQ-open .jsonl(.gz)")
     ev.add_argument("--limit", type=int, help="evaluate this many records (default: all)")
     ev.add_argument("--offset", type=int, default=0,

@@ -105,8 +105,17 @@ def test_configuration_md_documents_every_setting_with_its_default_and_environme
 def test_configuration_md_flags_are_real():
     flags = _flags(build_parser(), ["serve"])
     for name, cells in _documented_settings().items():
+        command = "eval" if "eval only" in cells[3] else "serve"
         for flag in re.findall(r"--[a-z0-9-]+", cells[3]):
-            assert flag in flags, f"{name}: {flag} is not a flag of kvblend serve"
+            assert flag in _flags(build_parser(), [command]), f"{name}: {flag} is not a flag of kvblend {command}"
+            assert command == "eval" or flag in flags
+
+
+def test_research_knobs_are_flags_of_eval_only():
+    for setting in ("attention-power", "stale-key-shift", "shift-rows"):
+        assert f"--{setting}" in _flags(build_parser(), ["eval"])
+        for command in ("serve", "demo", "generate"):
+            assert f"--{setting}" not in _flags(build_parser(), [command])
 
 
 # --- README's commands against the CLI and the Makefile --------------------------------------
