@@ -70,4 +70,4 @@ results: setup
 	$(PY) benchmarks/blend_phases.py --data $(DATA)/hotpotqa_s.dev.json --limit 3 --repeats 1 \
 		--ratios 0.08,0.3 --out results/phases/hotpotqa.json
 	$(PY) benchmarks/prefill_bench.py --lengths 1024,2048,4096,8192 --out results/prefill_bench.json
-	$(PY) benchmarks/results.py --results results --docs docs
+	$(PY) benchmarks/results.py --results results --docs docs --readme README.md

@@ -6,10 +6,11 @@ Reads, under --results (default results/):
 - prefill_bench.json: `benchmarks/prefill_bench.py` (full prefill against prompt length).
 
 Writes the tables between the marker comments of docs/results.md (`<!-- results:NAME:start -->`
-... `<!-- results:NAME:end -->`; the text around them is left alone) and the plots into docs/img/.
-A source that is missing leaves its table and plot as they were.
+... `<!-- results:NAME:end -->`; the text around them is left alone), the README's results table
+(its `readme` block, with --readme) and the plots into docs/img/. A source that is missing leaves
+its table and plot as they were. Each table says the dtype and machine its runs used.
 
-    python benchmarks/results.py --results results --docs docs
+    python benchmarks/results.py --results results --docs docs --readme README.md
 """
 
 from __future__ import annotations
@@ -69,6 +70,31 @@ def heldout_table(evals: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
+def readme_table(evals: list[tuple[str, dict]]) -> str:
+    """The README's table: per run reuse, blend at the default ratio and at its highest other
+    ratio, and below it the dtype, machine and date of each run, as measured."""
+    higher = sorted({r["ratio"] for _, res in evals for r in res["rows"]
+                     if r["mode"] == "blend" and (r.get("ratio") or 0) > DEFAULT_RATIO})
+    head = f"blend {higher[-1]:.0%}" if higher else "blend, higher ratio"
+    lines = [f"| model | dataset (mean prompt) | reuse (nothing recomputed) | blend {DEFAULT_RATIO:.0%} (default) | "
+             f"{head} |", "| --- | --- | --- | --- | --- |"]
+    machines = []
+    for _, res in evals:
+        meta, rows = res["meta"], res["rows"]
+        blend = {r["ratio"]: r for r in rows if r["mode"] == "blend" and r.get("ratio") is not None}
+        reuse = next((r for r in rows if r["mode"] == "reuse"), None)
+        top = max((r for r in blend if r > DEFAULT_RATIO), default=None)
+        dataset = Path(str(meta.get("dataset", "?"))).name.split(".")[0].removesuffix("_s")
+        tokens = meta.get("mean_prompt_tokens") or 0
+        lines.append(f"| {meta.get('model')} | {dataset} {meta.get('records', '')} ({tokens / 1000:.1f}k tokens) "
+                     f"| {_cell(reuse)} | {_cell(blend.get(DEFAULT_RATIO))} | "
+                     f"{_cell(blend[top]) if top is not None else ''} |")
+        machines.append(f"{meta.get('model')} on {dataset}: {meta.get('dtype')}, "
+                        f"{meta.get('cpu', 'CPU not recorded')}, {meta.get('threads')} threads, "
+                        f"{meta.get('date', 'date not recorded')}")
+    return "\n".join(lines) + "\n\n*" + "; ".join(machines) + ".*"
+
+
 def phase_seconds(phases: dict) -> dict[str, float]:
     return {group: sum(phases.get(b, 0.0) for b in buckets) for group, buckets in PHASE_GROUPS}
 
@@ -85,12 +111,12 @@ def phases_table(runs: list[tuple[str, dict]]) -> str:
     return "\n".join(lines)
 
 
-def replace_block(text: str, name: str, body: str) -> str:
+def replace_block(text: str, name: str, body: str, where: str = "docs/results.md") -> str:
     """The text with the block between `name`'s markers replaced; the markers must be there."""
     start, end = f"<!-- results:{name}:start -->", f"<!-- results:{name}:end -->"
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     if not pattern.search(text):
-        raise ValueError(f"docs/results.md has no {start} ... {end} block")
+        raise ValueError(f"{where} has no {start} ... {end} block")
     return pattern.sub(lambda _: f"{start}\n{body}\n{end}", text)
 
 
@@ -197,8 +223,8 @@ def plot_phases(runs: list[tuple[str, dict]], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def render(results: Path, docs: Path) -> list[Path]:
-    """Update docs/results.md and docs/img/ from `results`; returns the files written."""
+def render(results: Path, docs: Path, readme: Path | None = None) -> list[Path]:
+    """Update docs/results.md, docs/img/ and (given) the README from `results`; returns the files written."""
     evals, runs = load_evals(results), load_phases(results)
     prefill_path = results / "prefill_bench.json"
     prefill = json.loads(prefill_path.read_text()) if prefill_path.is_file() else None
@@ -219,6 +245,10 @@ def render(results: Path, docs: Path) -> list[Path]:
         plot_ttft_length(evals, runs, prefill, img / "ttft_vs_length.png")
         written.append(img / "ttft_vs_length.png")
     md.write_text(text, encoding="utf-8")
+    if readme is not None and evals:
+        readme.write_text(replace_block(readme.read_text(encoding="utf-8"), "readme", readme_table(evals),
+                                        str(readme)), encoding="utf-8")
+        written.append(readme)
     return [md] + written
 
 
@@ -226,8 +256,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--results", type=Path, default=Path("results"))
     ap.add_argument("--docs", type=Path, default=Path("docs"))
+    ap.add_argument("--readme", type=Path, help="also rebuild this README's results table")
     args = ap.parse_args(argv)
-    for path in render(args.results, args.docs):
+    for path in render(args.results, args.docs, args.readme):
         print(f"wrote {path}")
 
 

@@ -124,8 +124,10 @@ def test_results_renderer_rebuilds_the_marked_tables_and_the_plots(tmp_path, tin
     docs.mkdir()
     original = (ROOT / "docs" / "results.md").read_text()
     (docs / "results.md").write_text(original)
+    readme = tmp_path / "README.md"
+    readme.write_text((ROOT / "README.md").read_text())
 
-    run([bench("results"), "--results", str(results), "--docs", str(docs)], tmp_path)
+    run([bench("results"), "--results", str(results), "--docs", str(docs), "--readme", str(readme)], tmp_path)
 
     text = (docs / "results.md").read_text()
     heldout = text.split("<!-- results:heldout:start -->")[1].split("<!-- results:heldout:end -->")[0]
@@ -134,6 +136,11 @@ def test_results_renderer_rebuilds_the_marked_tables_and_the_plots(tmp_path, tin
     assert "| blend 0.08 |" in phases
     outside = [part.split("<!-- results:")[0] for part in text.split(":end -->")]
     assert outside == [part.split("<!-- results:")[0] for part in original.split(":end -->")]
+    table = readme.read_text().split("<!-- results:readme:start -->")[1].split("<!-- results:readme:end -->")[0]
+    assert "| smollm2-135m-instruct | tiny 0-0 (" in table and "| blend 30% |" in table
+    assert "smollm2-135m-instruct on tiny: float32," in table  # the dtype the run used, not one assumed
+    assert readme.read_text().split("<!-- results:readme:start -->")[0] == (ROOT / "README.md").read_text().split(
+        "<!-- results:readme:start -->")[0]
     for png in ("frontier.png", "blend_phases.png", "ttft_vs_length.png"):
         assert (docs / "img" / png).read_bytes()[:4] == b"\x89PNG"
 
