@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from kvblend.config import load_settings
-from kvblend.engine.engine import Engine
-from kvblend.eval.datasets import RagRecord, load_dataset
-from kvblend.eval.harness import index_dataset
-from kvblend.model.loader import load_model
+from ..config import load_settings
+from ..engine.engine import Engine
+from ..model.loader import load_model
+from .datasets import RagRecord, load_dataset
+from .harness import index_dataset
 
 
 def add_record_flags(ap: argparse.ArgumentParser, limit: int) -> None:

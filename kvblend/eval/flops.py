@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from kvblend.engine.engine import Engine
+from ..engine.engine import Engine
 
 
 def layer_flops(runner, layer: int, positions: torch.Tensor) -> float:

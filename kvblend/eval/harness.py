@@ -86,9 +86,15 @@ REFERENCE_CAPACITY = 40
 
 def full_reference(engine: Engine, ids: list[int], answer_tokens: int = 17,
                    positions: int = 16) -> tuple[PrefillOutput, list[int], torch.Tensor]:
-    """Precompute the prompt's chunks, then full prefill: its output, its greedy answer and the
-    next-token logits at the answer's first `positions` positions, teacher-forced."""
+    """Precompute the prompt's chunks, then full_answer."""
     engine.precompute(ids)
+    return full_answer(engine, ids, answer_tokens, positions)
+
+
+def full_answer(engine: Engine, ids: list[int], answer_tokens: int = 17,
+                positions: int = 16) -> tuple[PrefillOutput, list[int], torch.Tensor]:
+    """Full prefill: its output, its greedy answer and the next-token logits at the answer's
+    first `positions` positions, teacher-forced."""
     _, full = engine.prefill(ids, "full", REFERENCE_CAPACITY)
     answer = greedy(engine, full, len(ids), answer_tokens)
     return full, answer, teacher_forced(engine, full, len(ids), answer, positions)

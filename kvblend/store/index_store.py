@@ -16,7 +16,6 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from ..config import namespace_file

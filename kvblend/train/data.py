@@ -20,7 +20,7 @@ from tqdm import tqdm
 from ..blend.segment import Segments
 from ..engine.engine import Engine
 from ..eval.datasets import RagRecord
-from ..eval.harness import REFERENCE_CAPACITY, greedy, prompt_ids, teacher_forced
+from ..eval.harness import full_answer, prompt_ids
 from ..model.aliases import cache_dir
 from ..store.keys import tokens_hash
 
@@ -71,16 +71,20 @@ def teach(engine: Engine, prompts: list[list[int]], positions: int = 16, progres
         path = where / f"{tokens_hash(ids)[:32]}-{positions}.pt"
         saved = _load(path)
         if saved is None:
-            _, full = engine.prefill(ids, "full", REFERENCE_CAPACITY)
-            answer = greedy(engine, full, len(ids), positions + 1)
-            logits = teacher_forced(engine, full, len(ids), answer, positions)
+            _, answer, logits = full_answer(engine, ids, positions + 1, positions)
             logp, idx = torch.log_softmax(logits.float(), -1).topk(TOP_K, dim=-1)
             saved = {"answer": answer, "logp": logp, "idx": idx}
-            tmp = path.with_name(f".tmp-{path.name}")
-            torch.save(saved, tmp)
-            tmp.replace(path)
+            save_atomic(saved, path)
         out.append(Example(ids, engine.segments(ids), saved["answer"], saved["logp"], saved["idx"]))
     return out
+
+
+def save_atomic(obj, path: Path) -> None:
+    """torch.save under a temporary name, then renamed: an interrupted save leaves the old file whole."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".tmp-{path.name}")
+    torch.save(obj, tmp)
+    tmp.replace(path)
 
 
 def _load(path: Path) -> dict | None:

@@ -109,14 +109,14 @@ def read(runner: Runner, exact: ExactKV, stale_k: list[torch.Tensor], stale_v: l
     stale = torch.zeros(k_pos.shape[0], dtype=torch.bool, device=dev)
     stale[exact.n:exact.n + stale_pos.shape[0]] = True
     log_scale = math.log(stale_scale)
+    bias = torch.where(stale, log_scale, 0.0)[None, :]  # the same at every damped layer
     for layer in range(runner.n_layers):
         q, k, v = runner.qkv(layer, rows)
         if layer == runner.n_layers - 1:
             rows, q = rows.take(slice(-n_logits, None)), q[:, -n_logits:]
         seen = _mask(rows.pos, k_pos, runner.windows[layer])
         if layer >= damp_from and log_scale != 0:
-            bias = torch.where(stale, log_scale, 0.0)
-            mask = torch.where(seen, bias[None, :], float("-inf"))
+            mask = torch.where(seen, bias, float("-inf"))
         else:
             mask = seen
         K = torch.cat([exact.k[layer], stale_k[layer], k], 1)

@@ -27,7 +27,7 @@ from ..engine.engine import Engine
 from ..eval.harness import forced_logits
 from ..model.adapter import ChunkAdapter
 from ..store.chunk_kv import ChunkKV
-from .data import Example
+from .data import Example, save_atomic
 from .student import ExactKV, encode, exact_kv, move, read, topk_kl
 
 
@@ -208,9 +208,6 @@ def train(engine: Engine, train_set: list[Example], dev_set: list[Example], out:
 
 
 def _save_checkpoint(path: Path, adapter: ChunkAdapter, opt, step: int, history: History, cfg: TrainConfig) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".tmp-{path.name}")
-    torch.save({"adapter": adapter.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                "history": history, "config": asdict(cfg)}, tmp)
-    tmp.replace(path)  # an interrupted save leaves the previous checkpoint whole
+    save_atomic({"adapter": adapter.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                 "history": history, "config": asdict(cfg)}, path)
 
