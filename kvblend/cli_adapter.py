@@ -20,8 +20,10 @@ def cmd_train(settings, args) -> int:
 
     cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, rank=args.rank,
                       alpha=args.alpha, dev_every=args.dev_every, seed=args.seed, student=args.student)
-    # The engine that trains makes chunk KV with the adapter being trained, never with another one.
-    settings = settings.model_copy(update={"chunk_adapter": "none"})
+    # The engine that trains makes chunk KV with the adapter being trained, never with another one,
+    # and keeps it in memory: the adapter changes every step, so its KV is of no use to a store.
+    settings = settings.model_copy(update={"chunk_adapter": "none", "local_disk": None, "remote_url": None,
+                                           "neighbour_index": None})
     engine = Engine(load_model(settings.model, settings.dtype, settings.device), settings)
     records = [r for path in args.data for r in load_dataset(path, limit=args.limit, offset=args.offset)]
     prompts = build_prompts(engine, records, args.max_tokens, seed=args.seed)
@@ -29,6 +31,8 @@ def cmd_train(settings, args) -> int:
     if len(prompts) <= args.dev:
         raise ValueError(f"{len(prompts)} prompts fit in --max-tokens {args.max_tokens}: "
                          f"need more than --dev {args.dev}")
+    # The prompts' chunks are the collection: each is trained after its neighbour in it, as served.
+    engine.index_collection(prompts)
     examples = teach(engine, prompts, args.positions)
     dev, train_set = examples[:args.dev], examples[args.dev:]
     out = Path(args.out)

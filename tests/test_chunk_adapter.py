@@ -131,18 +131,26 @@ def example(e, ids, n=8):
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
-def test_the_student_computes_what_the_engine_serves(family):
-    """Trained through the student, the adapter is scored through the engine: the two agree."""
-    e = engine(family)
+@pytest.mark.parametrize("neighbours", [False, True])
+def test_the_student_computes_what_the_engine_serves(family, neighbours, tmp_path):
+    """Trained through the student, the adapter is scored through the engine: the two agree, with
+    chunks precomputed after the prefix alone and after their neighbour leads."""
+    path = tmp_path / "adapter.safetensors"
+    trained_like(tiny_model(family).config).save(path)
+    e = engine(family, path)
     ids = prompt(seed=5)
+    if neighbours:  # a collection whose chunks have neighbours: the prompt's and another's
+        e.index_collection([ids, prompt(seed=6)])
+        assert all(e.keys.lead_ids(ids[a:b]) for a, b in e.segments(ids).chunks)
     ex = example(e, ids)
     e.precompute(ids)
     for ratio in (0.0, 1.0):
         cfg = replace(e.blend_cfg, ratios=[ratio])
         with torch.no_grad():
-            student = float(student_loss(e, None, ex, "blend", cfg))
+            student = float(student_loss(e, e.adapter, ex, "blend", cfg))
         served, _ = forced_logits(e, ids, "blend", cfg, ex.answer, ex.n_positions)
         assert student == pytest.approx(float(topk_kl(ex.logp, ex.idx, served).mean()), rel=0.05, abs=1e-7)
+        assert ratio == 1.0 or student > 1e-4  # reused chunk KV is not full prefill's
     assert student == pytest.approx(0.0, abs=1e-6)  # ratio 1.0: full prefill
 
 

@@ -4,8 +4,8 @@ read as blend reads it, computed with autograd from the loss back to the adapter
 The engine's own passes write into one preallocated cache in place, which autograd cannot follow;
 this is the same arithmetic written out of place, with dense position masks. It mirrors how a
 prompt is served: the prefix and the prompt's first chunk exact (no adapter), every other chunk
-encoded after the prefix with the adapter and moved to its place, the separators, the suffix and
-the rows blend chose recomputed by the model alone, attention to the stale chunk keys damped.
+encoded after the prefix and its neighbour lead with the adapter and moved to its place, the
+separators, the suffix and the rows blend chose recomputed by the model alone, attention to the stale chunk keys damped.
 """
 
 from __future__ import annotations
@@ -61,32 +61,40 @@ def _attend(runner: Runner, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
                                           scale=runner.layers[layer].self_attn.scaling, enable_gqa=True)[0]
 
 
-def encode(runner: Runner, adapter: ChunkAdapter | None, context: ExactKV,
-           chunks: list[list[int]]) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+def encode(runner: Runner, adapter: ChunkAdapter | None, context: ExactKV, chunks: list[list[int]],
+           leads: list[list[int]] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """Every chunk's K, V per layer ([Hkv, N, d] over the chunks' rows, concatenated) and the
-    positions they were computed at: each chunk right after the context, alone with it, as
-    encode_chunks does with a `prefix` chunk context; the adapter acts on the chunks' rows."""
-    C = context.n
-    ids = torch.tensor([t for c in chunks for t in c], device=runner.device)
-    pos = torch.cat([torch.arange(C, C + len(c)) for c in chunks]).to(runner.device)
-    which = torch.cat([torch.full((len(c),), i) for i, c in enumerate(chunks)]).to(runner.device)
-    same = which[:, None] == which[None, :]
-    ctx_pos = torch.arange(C, device=runner.device)
-    rows = runner.rows(ids, pos)
+    positions they were computed at: each chunk right after the context and its lead (its
+    neighbours with separators, or nothing), alone with them, as encode_chunks does; the adapter
+    acts on the lead's and the chunk's rows."""
+    leads = leads or [[] for _ in chunks]
+    per_chunk = [_encode_one(runner, adapter, context, lead, c) for lead, c in zip(leads, chunks)]
+    ks = [torch.cat([k[layer] for k, _, _ in per_chunk], 1) for layer in range(runner.n_layers)]
+    vs = [torch.cat([v[layer] for _, v, _ in per_chunk], 1) for layer in range(runner.n_layers)]
+    return ks, vs, torch.cat([p for _, _, p in per_chunk])
+
+
+def _encode_one(runner: Runner, adapter: ChunkAdapter | None, context: ExactKV, lead: list[int],
+                chunk: list[int]) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+    """One chunk after the context and its lead: the chunk rows' K, V per layer and positions.
+    Chunks are encoded one at a time: their attention stays [len, context + len], where one
+    block-diagonal pass over all of them would hold [N, N] per layer for the backward."""
+    C, L, dev = context.n, len(lead), runner.device
+    pos = torch.arange(C, C + L + len(chunk), device=dev)
+    rows = runner.rows(torch.tensor(lead + chunk, device=dev), pos)
+    k_pos = torch.cat([torch.arange(C, device=dev), pos])  # the context's rows, then the lead's and chunk's
     ks, vs = [], []
     with runner.adapting(adapter):
         for layer in range(runner.n_layers):
             q, k, v = runner.qkv(layer, rows)
-            ks.append(k)
-            vs.append(v)
+            ks.append(k[:, L:])
+            vs.append(v[:, L:])
             if layer == runner.n_layers - 1:
-                break  # past the last layer's KV nothing of the chunks is read
-            window = runner.windows[layer]
-            mask = torch.cat([_mask(pos, ctx_pos, window), _mask(pos, pos, window, same)], dim=1)
+                break  # past the last layer's KV nothing of the chunk is read
+            mask = _mask(pos, k_pos, runner.windows[layer])
             keys, values = torch.cat([context.k[layer], k], 1), torch.cat([context.v[layer], v], 1)
-            o = _attend(runner, layer, q, keys, values, mask)
-            rows.h = runner.after_attention(layer, rows.h, o)
-    return ks, vs, pos
+            rows.h = runner.after_attention(layer, rows.h, _attend(runner, layer, q, keys, values, mask))
+    return ks, vs, pos[L:]
 
 
 def move(runner: Runner, layer: int, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -76,13 +76,15 @@ def student_loss(engine: Engine, adapter: ChunkAdapter | None, ex: Example, stud
     """Mean KL over the answer positions of blend served with this adapter's chunk KV."""
     runner, cfg = engine.runner, cfg or engine.blend_cfg
     T, E = len(ex.ids), exact_end(engine, ex)
-    context_end = ex.seg.exact_end  # chunks are encoded right after the prefix and its separator
+    context_end = ex.seg.exact_end  # chunks are encoded after the prefix and its separator
     exact = exact_kv(runner, ex.ids[:E])
     context = ExactKV([k[:, :context_end] for k in exact.k], [v[:, :context_end] for v in exact.v])
     spans = [s for s in ex.seg.chunks if s[0] >= E]
     if not spans:
         raise ValueError("a training prompt needs a chunk after the exact ones")
-    ks, vs, enc_pos = encode(runner, adapter, context, [ex.ids[a:b] for a, b in spans])
+    chunks = [ex.ids[a:b] for a, b in spans]
+    # Each chunk after its neighbour lead in the indexed collection, as the engine precomputes it.
+    ks, vs, enc_pos = encode(runner, adapter, context, chunks, [engine.keys.lead_ids(c) for c in chunks])
     target = torch.cat([torch.arange(a, b) for a, b in spans]).to(runner.device)
     moved = [move(runner, layer, k, target - enc_pos) for layer, k in enumerate(ks)]
     blending = student == "blend" and any(r > 0 for r in cfg.ratios)
