@@ -86,7 +86,10 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-local-cpu-size", type=float, help="memory tier capacity, GiB")
     p.add_argument("--local-disk", help="directory of the disk tier")
     p.add_argument("--max-local-disk-size", type=float, help="disk tier capacity, GiB")
-    p.add_argument("--remote-url", help="Redis of the shared tier, redis://host:port[/db]")
+    p.add_argument("--remote-url", help="Redis of the shared tier, redis://host:port[/db] (a Redis Cluster: any "
+                   "node, redis+cluster://host:port or with --remote-cluster)")
+    p.add_argument("--remote-cluster", action=argparse.BooleanOptionalAction, default=None,
+                   help="--remote-url is a node of a Redis Cluster (its masters' maxmemory bounds the tier)")
     p.add_argument("--max-remote-size", type=float, help="Redis tier capacity, GiB")
     p.add_argument("--remote-ttl", type=int, help="seconds a Redis entry lives")
     p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=None,
@@ -106,8 +109,8 @@ def _add_store_flags(p: argparse.ArgumentParser) -> None:
 
 
 _STORE_FIELDS = ("local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size", "remote_url",
-                 "max_remote_size", "remote_ttl", "layerwise", "prefetch_depth", "kv_int8", "kv_half", "compact_probe",
-                 "loading_controller")
+                 "remote_cluster", "max_remote_size", "remote_ttl", "layerwise", "prefetch_depth", "kv_int8", "kv_half",
+                 "compact_probe", "loading_controller")
 
 
 def _settings(args):

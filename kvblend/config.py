@@ -41,6 +41,9 @@ from pydantic_settings import (
     YamlConfigSettingsSource,
 )
 
+# The shared tier's URLs: one Redis server, or (+cluster) any node of a Redis Cluster.
+REMOTE_SCHEMES = ("redis://", "rediss://", "unix://", "redis+cluster://", "rediss+cluster://")
+
 # The YAML file for the Settings object being built right now. A context variable rather than
 # a class attribute, so that two threads loading different files don't see each other's path.
 _yaml_path: ContextVar[Path | None] = ContextVar("kvblend_yaml_path", default=None)
@@ -178,6 +181,10 @@ class Settings(BaseSettings):
         default=20.0, ge=0, validation_alias=_env("max_local_disk_size", "LMCACHE_MAX_LOCAL_DISK_SIZE")
     )
     remote_url: str | None = Field(default=None, validation_alias=_env("remote_url", "LMCACHE_REMOTE_URL"))
+    # remote_url names one node of a Redis Cluster (or Valkey cluster): kvblend uses redis-py's cluster
+    # client, and the servers' own maxmemory bounds the tier (docs/storage.md#redis-cluster). A
+    # redis+cluster:// (rediss+cluster://) URL says the same.
+    remote_cluster: bool = False
     max_remote_size: float = Field(default=20.0, ge=0)  # GiB, shared by every process on that Redis
     remote_ttl: int | None = Field(default=None, gt=0)  # seconds a Redis entry lives; None: until evicted
     # Layers of stored KV read and re-encoded ahead of compute by a background thread (with
@@ -292,9 +299,9 @@ class Settings(BaseSettings):
     @field_validator("remote_url")
     @classmethod
     def _remote_is_redis(cls, value: str | None) -> str | None:
-        if value is not None and not value.startswith(("redis://", "rediss://", "unix://")):
+        if value is not None and not value.startswith(REMOTE_SCHEMES):
             raise ValueError(f"remote_url {value!r}: the remote tier is Redis; give redis://host:port[/db] "
-                             "(or rediss://, unix://)")
+                             "(or rediss://, unix://; redis+cluster://host:port for a Redis Cluster)")
         return value
 
     @model_validator(mode="after")

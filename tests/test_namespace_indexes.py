@@ -1,10 +1,11 @@
 """One neighbour index per namespace, kept where the store keeps its entries (a file per namespace
-in local_disk, a key per namespace in Redis): it survives restarts, two processes adding to it
+in local_disk, a key per namespace in Redis, one server or a cluster): it survives restarts, two processes adding to it
 lose nothing, and a corrupt or missing one costs only the neighbours (chunks are served plain)."""
 
 import logging
 
 import pytest
+from redis_cluster import redis_cluster  # noqa: F401  (fixture)
 from redis_server import RedisServer
 from test_blend_invariants import SEP, chunks, make_engine, prompt
 
@@ -17,15 +18,19 @@ CS[1] = CS[0][:16] + CS[1][16:]  # 0 and 1 share most tokens: each other's neigh
 CS[3] = CS[2][:16] + CS[3][16:]
 
 
-@pytest.fixture(params=["disk", "redis"])
+@pytest.fixture(params=["disk", "redis", "cluster"])
 def place(request, tmp_path):
-    """Settings for an engine whose indexes live on disk, or in Redis (no disk)."""
+    """Settings for an engine whose indexes live on disk, or in Redis (no disk): one server or a cluster."""
     if request.param == "disk":
         yield {"local_disk": str(tmp_path / "kv")}
-    else:
+    elif request.param == "redis":
         server = RedisServer().start()
         yield {"remote_url": server.url}
         server.kill()
+    else:
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        yield {"remote_url": cluster.url}
 
 
 def test_each_namespace_indexes_only_its_own_chunks(place):
@@ -83,7 +88,7 @@ def test_a_corrupt_or_missing_index_loses_nothing(place, how, caplog):
     else:
         for p in engine.indexes.store.places:
             if isinstance(p, RedisPlace):
-                p.tier.client.delete("kvblend:neighbours:kb")
+                p.tier.client.delete(p._key("kb"))
             elif isinstance(p, FilePlace):
                 p.path_of("kb").unlink()
     restarted = make_engine(chunk_context="prefix", **place)
@@ -123,7 +128,22 @@ def test_redis_down_reads_the_disk_copy_and_an_empty_redis_starts_from_it(tmp_pa
         assert store.read("kb") == "one"  # from the disk copy
         server = RedisServer(server.port).start()  # back, empty
         assert store.update("kb", lambda t: t + "+two") == "one+two"  # nothing indexed is lost
-        assert server.client().get("kvblend:neighbours:kb") == b"one+two"
+        assert server.client().get("kvblend:{neighbours:kb}") == b"one+two"
         assert store.read("kb") == "one+two"
     finally:
         server.kill()
+
+
+def test_a_namespace_index_and_its_version_share_a_cluster_slot(redis_cluster):  # noqa: F811
+    """An update is a transaction over the index and its version: on a cluster both keys must
+    hash to one slot, whatever the namespace holds (braces too)."""
+    redis_cluster.flush()
+    tier = RedisTier(redis_cluster.url, 1 << 20, retry_s=0.0)
+    store = build_index_store(tier, None, None)
+    for ns in ("kb", "key-1/kb", "a}b{c", "}"):
+        assert store.update(ns, lambda t, ns=ns: (t or "") + ns) == ns
+        assert store.update(ns, lambda t: t + "!") == ns + "!"
+        place = store.places[0]
+        assert tier.client.get(place._key(ns)) == (ns + "!").encode() and tier.client.get(place._version_key(ns)) == b"2"
+        assert tier.client.keyslot(place._key(ns)) == tier.client.keyslot(place._version_key(ns))
+    assert tier.unreachable == 0

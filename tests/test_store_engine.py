@@ -1,6 +1,6 @@
-"""The engine over disk and Redis tiers: what it reads from each tier is what it would have read
-from memory, bad entries become recompute (never wrong KV, never a crash), Redis dying loses no
-request, and two processes share chunks through Redis."""
+"""The engine over disk and Redis tiers (one server and a cluster): what it reads from each tier is
+what it would have read from memory, bad entries become recompute (never wrong KV, never a crash),
+Redis dying loses no request, and two processes share chunks through Redis."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from redis_cluster import any_redis, redis_cluster  # noqa: F401  (fixtures)
 from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -69,14 +70,19 @@ def stored_engine(kind, tmp_path, url=None, **settings):
     return engine
 
 
-@pytest.fixture(params=["disk", "redis"])
+@pytest.fixture(params=["disk", "redis", "cluster"])
 def tier_kind(request):
+    """(the tier's name, the Redis server or cluster it is on)."""
     if request.param == "disk":
         yield "disk", None
-    else:
+    elif request.param == "redis":
         server = RedisServer().start()
         yield "redis", server
         server.kill()
+    else:
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        yield "redis", cluster
 
 
 def same_output(a, b) -> None:
@@ -191,19 +197,17 @@ def damage(engine, kind, how, key, other=None):
             tmp = a.with_name("swap")
             a.rename(tmp), b.rename(a), tmp.rename(b)
     else:
-        c = tier.client
-        lk = f"kvblend:{key}:l"
+        c, ek = tier.client, tier.entry_key(key)
         if how == "truncate":
-            c.hset(lk, "2", c.hget(lk, "2")[:-10])
+            c.hset(ek, "2", c.hget(ek, "2")[:-10])
         elif how == "corrupt":
-            data = bytearray(c.hget(lk, "3"))
+            data = bytearray(c.hget(ek, "3"))
             data[5] ^= 0xFF
-            c.hset(lk, "3", bytes(data))
-        else:
-            for part in ("h", "l"):
-                c.rename(f"kvblend:{key}:{part}", "swap")
-                c.rename(f"kvblend:{other}:{part}", f"kvblend:{key}:{part}")
-                c.rename("swap", f"kvblend:{other}:{part}")
+            c.hset(ek, "3", bytes(data))
+        else:  # field by field: on a cluster the two keys may live on different shards
+            mine, theirs = c.hgetall(ek), c.hgetall(tier.entry_key(other))
+            c.hset(ek, mapping=theirs)
+            c.hset(tier.entry_key(other), mapping=mine)
 
 
 @pytest.mark.parametrize("how", ["corrupt", "truncate", "swap"])
@@ -329,9 +333,9 @@ json.dump({{"tiers": out.stats.chunk_tiers, "tokens": done.token_ids}}, open(sys
 """
 
 
-def test_second_process_blends_chunks_the_first_stored_in_redis(tmp_path, redis_server):
+def test_second_process_blends_chunks_the_first_stored_in_redis(tmp_path, any_redis):
     script = tmp_path / "proc.py"
-    script.write_text(PROCESS.format(tests=str(TESTS), url=redis_server.url))
+    script.write_text(PROCESS.format(tests=str(TESTS), url=any_redis.url))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     results = {}
     for name in ("first", "second"):

@@ -1,5 +1,6 @@
-"""Disk and Redis tiers on their own: round trips, the entry format, bad entries, eviction,
-an unreachable Redis, write failures, torn reads, read-ahead hints; and the TieredStore over them."""
+"""Disk and Redis tiers on their own (Redis as one server and as a 3-master cluster): round trips,
+the entry format, bad entries, eviction, an unreachable Redis, write failures, torn reads,
+read-ahead hints and pipelined reads; and the TieredStore over them."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ import errno
 import json
 import os
 import threading
+import time
 
 import pytest
 import redis
 import torch
+from redis_cluster import RedisClusterNodes, any_redis, redis_cluster  # noqa: F401  (fixtures)
 from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 from safetensors import safe_open
 
@@ -39,15 +42,34 @@ def same(a, b) -> bool:
             torch.equal(a.v.view(torch.uint8), b.v.view(torch.uint8)) and torch.equal(a.positions, b.positions))
 
 
-@pytest.fixture(params=["disk", "redis"])
+@pytest.fixture(params=["disk", "redis", "cluster"])
 def make_tier(request, tmp_path):
-    """A factory of tiers of one kind, all over the same directory or Redis."""
+    """A factory of tiers of one kind, all over the same directory, Redis server or Redis Cluster."""
     if request.param == "disk":
         yield lambda spec=SPEC, cap=MB, **kw: DiskTier(tmp_path / "kv", cap, spec)
     else:
+        yield from redis_tiers(request, "server" if request.param == "redis" else "cluster")
+
+
+def redis_tiers(request, kind: str):
+    if kind == "server":
         server = RedisServer().start()
         yield lambda spec=SPEC, cap=MB, **kw: RedisTier(server.url, cap, spec, **kw)
         server.kill()
+    else:
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        yield lambda spec=SPEC, cap=MB, **kw: RedisTier(cluster.url, cap, spec, **kw)
+
+
+@pytest.fixture(params=["disk", "redis"])
+def make_kept_tier(request, tmp_path):
+    """Tiers whose capacity kvblend keeps itself: disk, and one Redis server (a cluster's masters
+    keep theirs: test_a_cluster_evicts_whole_entries_under_its_maxmemory)."""
+    if request.param == "disk":
+        yield lambda spec=SPEC, cap=MB, **kw: DiskTier(tmp_path / "kv", cap, spec)
+    else:
+        yield from redis_tiers(request, "server")
 
 
 # ---- round trips and the format ---------------------------------------------------------------
@@ -65,7 +87,9 @@ def test_round_trip_is_exact_layer_by_layer(make_tier, dtype):
     assert same(entry.materialize(), value)
     assert "chunk-a" in tier and tier.keys() == ["chunk-a"] and tier.used_bytes >= value.k.nbytes * 2
     assert tier.get("chunk-b") is None and "chunk-b" not in tier
-    assert tier.delete("chunk-a") and tier.get("chunk-a") is None and tier.used_bytes == 0
+    assert tier.delete("chunk-a") and tier.get("chunk-a") is None and tier.keys() == []
+    # What the tier counts (a cluster's used_bytes is its masters' memory, whatever they hold).
+    assert tier.used_bytes == 0 if not getattr(tier, "cluster", False) else tier.used_bytes > 0
 
 
 def test_disk_file_is_safetensors_with_a_full_header(tmp_path):
@@ -83,21 +107,43 @@ def test_disk_file_is_safetensors_with_a_full_header(tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
 
 
-def test_redis_entry_is_a_layer_hash_under_a_header(redis_server):
-    tier = RedisTier(redis_server.url, MB, SPEC, ttl_s=100)
+def test_redis_entry_is_one_hash_of_its_header_and_layers(any_redis):
+    tier = RedisTier(any_redis.url, MB, SPEC, ttl_s=100)
     tier.put("chunk-a", kv())
-    c = redis_server.client()
-    assert sorted(c.hkeys("kvblend:chunk-a:l")) == [b"0", b"1", b"2"]
-    assert json.loads(c.get("kvblend:chunk-a:h"))["key"] == "chunk-a"
-    assert 0 < c.ttl("kvblend:chunk-a:h") <= 100 and 0 < c.ttl("kvblend:chunk-a:l") <= 100
-    assert RedisTier(redis_server.url, MB, SPEC).get("chunk-a") is not None  # another process's view
+    c = any_redis.client()
+    assert sorted(c.hkeys("kvblend:chunk-a")) == [b"0", b"1", b"2", b"h"]
+    assert json.loads(c.hget("kvblend:chunk-a", "h"))["key"] == "chunk-a"
+    assert 0 < c.ttl("kvblend:chunk-a") <= 100  # one key: it expires (or is evicted) whole
+    assert RedisTier(any_redis.url, MB, SPEC).get("chunk-a") is not None  # another process's view
 
 
-def test_half_written_redis_entry_is_a_miss(redis_server):
-    tier = RedisTier(redis_server.url, MB, SPEC)
+def test_an_entry_without_its_header_is_a_miss(any_redis):
+    tier = RedisTier(any_redis.url, MB, SPEC)
     tier.put("chunk-a", kv())
-    redis_server.client().delete("kvblend:chunk-a:h")  # layers written, header not yet
+    any_redis.client().hdel("kvblend:chunk-a", "h")  # never written so (one HSET), but read as a miss
     assert tier.get("chunk-a") is None and "chunk-a" not in tier
+
+
+def test_a_prompts_headers_and_layers_take_one_pipeline_each(any_redis, monkeypatch):
+    """Lookups read ahead in one pipeline, and a layer hinted for several entries is read for all
+    of them at once: 20 chunks cost one round trip (per shard) per layer, not 20."""
+    tier = RedisTier(any_redis.url, MB, SPEC)
+    keys = [f"chunk-{i:02d}" for i in range(20)]
+    for i, key in enumerate(keys):
+        tier.put(key, kv(seed=i))
+    sent = []
+    pipelined = tier._pipelined
+    monkeypatch.setattr(tier, "_pipelined", lambda ks, *a: sent.append(list(ks)) or pipelined(ks, *a))
+    tier.prefetch(keys + ["chunk-missing"])
+    entries = [tier.get(key) for key in keys]
+    assert tier.get("chunk-missing") is None and len(sent) == 1  # every lookup answered by the one read
+    for layer in range(L):
+        for e in entries:
+            e.prefetch(layer)
+        for i, e in enumerate(entries):
+            assert same_layer(e.layer(layer), kv(seed=i), layer)
+    assert len(sent) == 1 + L and all(sorted(s) == keys for s in sent[1:])
+    assert tier.hits == 20 and tier.misses == 1
 
 
 # ---- bad entries ------------------------------------------------------------------------------
@@ -111,10 +157,9 @@ def corrupt_layer(tier, key: str, layer: int) -> None:
         data[start] ^= 0xFF
         path.write_bytes(bytes(data))
     else:
-        c = redis.Redis.from_url(tier.url)
-        data = bytearray(c.hget(f"kvblend:{key}:l", str(layer)))
+        data = bytearray(tier.client.hget(tier.entry_key(key), str(layer)))
         data[-1] ^= 0xFF
-        c.hset(f"kvblend:{key}:l", str(layer), bytes(data))
+        tier.client.hset(tier.entry_key(key), str(layer), bytes(data))
 
 
 def test_corrupt_layer_raises_bad_entry_when_read(make_tier):
@@ -138,8 +183,8 @@ def test_truncated_entries_are_misses(make_tier):
         path.write_bytes(path.read_bytes()[:-7])
         assert tier.get("chunk-a") is None and tier.bad_entries == 1 and not path.exists()
     else:
-        c = redis.Redis.from_url(tier.url)
-        c.hset("kvblend:chunk-a:l", "2", c.hget("kvblend:chunk-a:l", "2")[:-7])
+        c, ek = tier.client, tier.entry_key("chunk-a")
+        c.hset(ek, "2", c.hget(ek, "2")[:-7])
         with pytest.raises(BadEntry, match="layer 2 unreadable"):
             tier.get("chunk-a").materialize()
 
@@ -153,9 +198,8 @@ def rewrite_header(tier, key: str, **changes) -> None:
         from safetensors.torch import save_file
         save_file(tensors, str(path), metadata={"kvblend": json.dumps({**meta, **changes})})
     else:
-        c = redis.Redis.from_url(tier.url)
-        meta = json.loads(c.get(f"kvblend:{key}:h"))
-        c.set(f"kvblend:{key}:h", json.dumps({**meta, **changes}))
+        meta = json.loads(tier.client.hget(tier.entry_key(key), "h"))
+        tier.client.hset(tier.entry_key(key), "h", json.dumps({**meta, **changes}))
 
 
 @pytest.mark.parametrize("change", [{"version": FORMAT_VERSION + 1}, {"fingerprint": "fp-other"},
@@ -185,28 +229,28 @@ def test_swapped_entries_are_misses(make_tier):
         a, b = tier.path("chunk-a"), tier.path("chunk-b")
         tmp = a.with_suffix(".x")
         a.rename(tmp), b.rename(a), tmp.rename(b)
-    else:
-        c = redis.Redis.from_url(tier.url)
-        for part in ("h", "l"):
-            c.rename(f"kvblend:chunk-a:{part}", "tmp")
-            c.rename(f"kvblend:chunk-b:{part}", f"kvblend:chunk-a:{part}")
-            c.rename("tmp", f"kvblend:chunk-b:{part}")
+    else:  # field by field: the two keys may live on different shards of a cluster
+        c, a, b = tier.client, tier.entry_key("chunk-a"), tier.entry_key("chunk-b")
+        fields_a, fields_b = c.hgetall(a), c.hgetall(b)
+        c.hset(a, mapping=fields_b)
+        c.hset(b, mapping=fields_a)
     assert tier.get("chunk-a") is None and tier.get("chunk-b") is None and tier.bad_entries == 2
 
 
-def test_swapped_redis_layers_fail_their_checksum(redis_server):
-    tier = RedisTier(redis_server.url, MB, SPEC)
+def test_swapped_redis_layers_fail_their_checksum(any_redis):
+    tier = RedisTier(any_redis.url, MB, SPEC)
     tier.put("chunk-a", kv(seed=1))
     tier.put("chunk-b", kv(seed=2))
-    c = redis_server.client()
-    c.hset("kvblend:chunk-a:l", "1", c.hget("kvblend:chunk-b:l", "1"))
+    c = tier.client
+    c.hset("kvblend:chunk-a", "1", c.hget("kvblend:chunk-b", "1"))
     with pytest.raises(BadEntry, match="layer 1 checksum"):
         tier.get("chunk-a").materialize()
 
 
 # ---- capacity ---------------------------------------------------------------------------------
 
-def test_eviction_keeps_the_tier_under_capacity_lru_first(make_tier):
+def test_eviction_keeps_the_tier_under_capacity_lru_first(make_kept_tier):
+    make_tier = make_kept_tier
     probe = make_tier(cap=MB)
     probe.put("chunk-size", kv(8))
     size = probe.used_bytes
@@ -237,10 +281,42 @@ def test_redis_capacity_is_shared_by_processes(redis_server):
     assert b.used_bytes == 2 * size and sorted(b.keys()) == ["chunk-b", "chunk-c"]
 
 
+def test_a_cluster_evicts_whole_entries_under_its_maxmemory(redis_cluster):
+    """A cluster's masters bound themselves (maxmemory, allkeys-lru): kvblend writes on, each entry
+    is read whole or is a clean miss (never a bad entry), and each master stays near its bound."""
+    redis_cluster.flush()
+    masters = [redis.Redis(port=p) for p in redis_cluster.master_ports()]
+    tier = RedisTier(redis_cluster.url, 1 << 30, SPEC)
+    values = {f"chunk-{i:03d}": kv(400, seed=i) for i in range(120)}  # 120 entries of 58 kB: 7 MB
+    # Room for a replication backlog (1 MB, counted as used memory by Redis 7.0) and 1 MB of entries.
+    bound = [int(m.info("memory")["used_memory"]) + (2 << 20) for m in masters]
+    try:
+        for m, b in zip(masters, bound):
+            m.config_set("maxmemory", b)
+        for key, value in values.items():
+            assert tier.put(key, value)
+        evicted = sum(int(m.info("stats")["evicted_keys"]) for m in masters)
+        assert evicted > 0 and tier.evictions == 0  # the servers evicted, not kvblend
+        for m, b in zip(masters, bound):
+            assert int(m.info("memory")["used_memory"]) <= b + 2 * 60_000  # its bound, give or take a write
+        whole = 0
+        for key, value in values.items():
+            entry = tier.get(key)
+            if entry is not None:
+                assert same(entry.materialize(), value)
+                whole += 1
+        assert 0 < whole < len(values) and tier.bad_entries == 0
+        assert len(tier.keys()) == whole and set(tier.keys()) <= set(values)
+    finally:
+        for m in masters:
+            m.config_set("maxmemory", 0)
+
+
 # ---- faults -----------------------------------------------------------------------------------
 
-def test_redis_down_at_start_then_back(tmp_path):
-    server = RedisServer()  # not started
+@pytest.mark.parametrize("kind", ["server", "cluster"])
+def test_redis_down_at_start_then_back(kind):
+    server = RedisServer() if kind == "server" else RedisClusterNodes()  # not started
     tier = RedisTier(server.url, MB, SPEC, retry_s=0.0)
     assert tier.get("chunk-a") is None and not tier.put("chunk-a", kv()) and "chunk-a" not in tier
     assert tier.keys() == [] and tier.used_bytes == 0 and tier.unreachable >= 1 and tier.write_errors == 1
@@ -248,7 +324,38 @@ def test_redis_down_at_start_then_back(tmp_path):
     try:
         assert tier.put("chunk-a", kv()) and same(tier.get("chunk-a").materialize(), kv())
     finally:
-        server.kill()
+        server.kill() if kind == "server" else server.stop()
+
+
+def test_a_down_cluster_master_empties_its_slots_only_until_its_replica_takes_over(redis_cluster):
+    redis_cluster.flush()
+    tier = RedisTier(redis_cluster.url, MB, SPEC, retry_s=60.0)
+    keys = [f"chunk-{i:02d}" for i in range(24)]
+    for i, key in enumerate(keys):
+        assert tier.put(key, kv(seed=i))
+    reading = tier.get(keys[0])
+    killed = redis_cluster.master_of(tier.entry_key(keys[0]))
+    on_it = [k for k in keys if redis_cluster.master_of(tier.entry_key(k)) == killed]
+    elsewhere = [k for k in keys if k not in on_it]
+    time.sleep(0.2)  # the replica has the entries (replication is asynchronous)
+    redis_cluster.kill(killed)
+    try:
+        with pytest.raises(BadEntry, match="unreachable") as e:  # mid-read: kept, not deleted
+            reading.layer(0)
+        assert not e.value.delete and tier.unreachable == 1
+        dead = tier._node(keys[0])  # the node the tier's slot map sends those keys to
+        tier.prefetch(keys)  # one pipeline: the live shards answer, the dead one's keys read as empty
+        got = {k: tier.get(k) for k in keys}
+        assert [k for k in keys if got[k] is None] == on_it and tier.misses == len(on_it)
+        assert all(same(got[k].materialize(), kv(seed=keys.index(k))) for k in elsewhere)
+        assert not tier.put(on_it[0], kv()) and tier.put("chunk-new", kv()) == (tier._node("chunk-new") != dead)
+        assert tier.unreachable == 1 and tier.bad_entries == 0 and tier.available
+        redis_cluster.wait_healthy()  # the replica has taken over the slots
+        tier._down.clear()  # as if retry_s had passed
+        back = [k for k in on_it if tier.get(k) is not None]
+        assert back == on_it and all(same(tier.get(k).materialize(), kv(seed=keys.index(k))) for k in on_it)
+    finally:
+        redis_cluster.restart(killed)
 
 
 def test_redis_dying_mid_read_is_a_bad_entry_that_is_kept(redis_server):
@@ -290,6 +397,12 @@ def test_bad_disk_config_is_a_clear_error(tmp_path):
         DiskTier(tmp_path / "file", MB, SPEC)
     with pytest.raises(ValueError, match="Redis"):
         RedisTier("lm://localhost:65432", MB, SPEC)
+    with pytest.raises(ValueError, match="database 0"):
+        RedisTier("redis+cluster://localhost:65432/2", MB, SPEC)
+    with pytest.raises(ValueError, match="TCP"):
+        RedisTier("unix:///tmp/redis.sock", MB, SPEC, cluster=True)
+    with pytest.raises(ValueError, match="braces"):
+        RedisTier("redis://localhost:65432", MB, SPEC, prefix="kv{b}:")
 
 
 # ---- concurrency ------------------------------------------------------------------------------
@@ -373,9 +486,9 @@ def test_a_disk_entry_prefetches_exactly_one_layers_bytes(tmp_path, monkeypatch,
 
 # ---- the tiered store -------------------------------------------------------------------------
 
-def test_tiered_store_reads_in_order_promotes_and_writes_behind(tmp_path, redis_server):
+def test_tiered_store_reads_in_order_promotes_and_writes_behind(tmp_path, any_redis):
     memory, disk = MemoryStore(MB), DiskTier(tmp_path, MB, SPEC)
-    remote = RedisTier(redis_server.url, MB, SPEC)
+    remote = RedisTier(any_redis.url, MB, SPEC)
     store = TieredStore([memory, disk, remote])
     store.put("chunk-a", kv(seed=1))
     assert "chunk-a" in store and memory.get("chunk-a") is not None

@@ -1,8 +1,8 @@
 """Each namespace's neighbour index, kept where the chunk store keeps its entries, as text.
 
-Places, read in this order: Redis (a key per namespace, so replicas share one index), the disk
-tier's directory (a file per namespace), this process's memory (all there is when neither is
-configured; the last resort while Redis is down).
+Places, read in this order: Redis (a key per namespace, so replicas share one index; one server
+or a cluster), the disk tier's directory (a file per namespace), this process's memory (all there
+is when neither is configured; the last resort while Redis is down).
 An update is a read-modify-write made atomic in the first place that answers (a Redis
 transaction watching the key; a lock file beside the file) and copied to the others, so two
 processes adding to one namespace never lose each other's chunks. A version per namespace (a
@@ -106,23 +106,26 @@ class RedisPlace:
         self.tier = tier
 
     def _key(self, ns: str) -> str:
-        return f"{self.tier.prefix}neighbours:{ns}"
+        # A hash tag around all but the prefix: the text and its version share a cluster slot (the
+        # version key extends this one, so it has the same tag whatever braces `ns` holds), and an
+        # update's transaction over both is allowed there.
+        return f"{self.tier.prefix}{{neighbours:{ns}}}"
 
     def _version_key(self, ns: str) -> str:
-        return f"{self.tier.prefix}neighbours-version:{ns}"
+        return self._key(ns) + ":version"
 
-    def _call(self, fn):
+    def _call(self, ns: str, fn):
         try:
-            return self.tier.call(fn)
+            return self.tier.call(fn, self._key(ns).removeprefix(self.tier.prefix))
         except TierDown:
             raise Unreachable from None
 
     def read(self, ns: str) -> str | None:
-        raw = self._call(lambda c: c.get(self._key(ns)))
+        raw = self._call(ns, lambda c: c.get(self._key(ns)))
         return raw.decode("utf-8", errors="replace") if raw is not None else None
 
     def version(self, ns: str):
-        return self._call(lambda c: c.get(self._version_key(ns)))
+        return self._call(ns, lambda c: c.get(self._version_key(ns)))
 
     def update(self, ns: str, fn: Callable[[str | None], str | None]) -> str | None:
         key = self._key(ns)
@@ -136,7 +139,7 @@ class RedisPlace:
                 pipe.incr(self._version_key(ns))
             return text
 
-        return self._call(lambda c: c.transaction(change, key, value_from_callable=True))
+        return self._call(ns, lambda c: c.transaction(change, key, value_from_callable=True))
 
     def write(self, ns: str, text: str) -> None:
         def put(c):
@@ -144,7 +147,7 @@ class RedisPlace:
             p.set(self._key(ns), text)
             p.incr(self._version_key(ns))
             p.execute()
-        self._call(put)
+        self._call(ns, put)
 
 
 class IndexStore:

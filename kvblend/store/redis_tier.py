@@ -1,14 +1,20 @@
-"""Shared remote tier on Redis, so several kvblend processes (or machines) share one chunk cache.
+"""Shared remote tier on Redis, one server or a Redis Cluster, so several kvblend processes (or
+machines) share one chunk cache.
 
-Per entry, two Redis keys: `<prefix><key>:l`, a hash of one value per layer (that layer's K bytes
-then V bytes, fetched alone with HGET; `p<layer>` the compact copy's, where the entry has one),
-and `<prefix><key>:h`, the entry header (entry_format) as JSON. The header is written last,
-after every layer, so a half-written entry has no header and reads as a miss. Capacity is shared
-by every process using the same Redis and prefix: a sorted set orders entries by last use (LRU),
-a hash holds their sizes, a counter their sum.
+An entry is one Redis hash, `<prefix><key>`: field `h` the entry header (entry_format) as JSON,
+one field per layer (that layer's K bytes then V bytes, fetched alone with HGET), `p<layer>` the
+compact copy's where the entry has one. It is written by one HSET inside a transaction, so it is
+read whole or not at all, lives in one slot of a cluster, and a server that evicts or expires it
+takes all of it: an evicted entry is a clean miss. What bounds the tier is redis_capacity's.
 
-Redis being down is never an error for a request: the tier reads as empty and drops writes
-for `retry_s`, then tries again (redis-py reconnects by itself)."""
+Reads of one request are pipelined: its lookups' headers in one round trip (per shard, at once,
+on a cluster), and each layer of every chunk it reads in one more, not one per chunk.
+
+A node being down is never an error for a request: the keys it serves read as empty and their
+writes fail (TieredStore writes them again later) for `retry_s`, then it is tried again. On a
+cluster that is the down master's slots only, until its replica takes over; redis-py reconnects
+and relearns the slot map by itself.
+"""
 
 from __future__ import annotations
 
@@ -16,19 +22,22 @@ import logging
 import math
 import threading
 import time
+import weakref
 
 import redis
 import torch
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from .chunk_kv import ChunkKV
 from .entry_format import BadEntry, EntryMeta, EntrySpec, check_meta, describe, raw_bytes, specs_nbytes
 from .probe_copy import entry_parts as compact_copy
+from .redis_capacity import KeptCapacity, ServerCapacity
+from .redis_client import FAULTS, connect, parse_url
 from .tier import Counters, StoredEntry, TierDown
 
 log = logging.getLogger(__name__)
-URL_SCHEMES = ("redis://", "rediss://", "unix://")
+HEADER = "h"
+EVERYWHERE = "*"  # the down-mark of the whole tier: one server, or a cluster none of whose nodes answers
+PREFETCHED_S = 1.0  # how long a header read ahead of its lookup is trusted
 
 
 def encode_layer(parts: dict[str, torch.Tensor]) -> bytes:
@@ -48,10 +57,19 @@ def decode_layer(data: bytes, meta: EntryMeta, compact: bool = False) -> dict[st
     return parts
 
 
+def layer_field(layer: int, compact: bool = False) -> str:
+    return f"p{layer}" if compact else str(layer)
+
+
 class RedisEntry(StoredEntry):
     def __init__(self, meta: EntryMeta, tier: RedisTier):
         super().__init__(meta, "redis", tier.meter)
         self._tier = tier
+        self.fetched: dict[str, bytes | None] = {}  # layers read with another entry's, not yet taken
+
+    def prefetch(self, layer: int, compact: bool = False) -> None:
+        """This layer is read soon: fetched with the same layer of the other entries asked for it."""
+        self._tier.want(self, layer_field(layer, compact))
 
     def _read_layer(self, layer: int):
         return self._read(layer, compact=False)
@@ -60,9 +78,9 @@ class RedisEntry(StoredEntry):
         return self._read(layer, compact=True)
 
     def _read(self, layer: int, compact: bool):
-        field = f"p{layer}" if compact else str(layer)
+        field = layer_field(layer, compact)
         try:
-            data = self._tier._run(lambda c: c.hget(self._tier._layers_key(self.key), field))
+            data = self._tier.layer_bytes(self, field)
         except TierDown:
             raise BadEntry(self.key, "redis", "Redis unreachable", delete=False) from None
         if data is None:
@@ -74,84 +92,166 @@ class RedisTier(Counters):
     name = "redis"
 
     def __init__(self, url: str, capacity_bytes: int, spec: EntrySpec | None = None, ttl_s: int | None = None,
-                 prefix: str = "kvblend:", retry_s: float = 2.0, timeout_s: float = 2.0):
+                 prefix: str = "kvblend:", retry_s: float = 2.0, timeout_s: float = 2.0, cluster: bool = False):
         super().__init__()
-        if not url.startswith(URL_SCHEMES):
-            raise ValueError(f"remote_url {url!r}: kvblend's remote tier is Redis; give a "
-                             f"redis://host:port[/db] (or rediss://, unix://) URL")
+        self._url, self.cluster = parse_url(url, cluster)
         if capacity_bytes < 0:
             raise ValueError(f"remote tier capacity must be >= 0 bytes, got {capacity_bytes}")
         if ttl_s is not None and ttl_s <= 0:
             raise ValueError(f"remote TTL must be > 0 seconds, got {ttl_s}")
+        if "{" in prefix or "}" in prefix:  # a brace would make a hash tag of part of every key
+            raise ValueError(f"Redis key prefix {prefix!r} must not hold braces")
         self.url, self.capacity_bytes, self.spec, self.ttl_s = url, capacity_bytes, spec, ttl_s
-        self.prefix, self.retry_s = prefix, retry_s
-        # One quick retry covers a connection that went stale across a Redis restart; no backoff,
-        # so a dead server costs a request one refused connect, not seconds.
-        self.client = redis.Redis.from_url(url, socket_connect_timeout=timeout_s, socket_timeout=timeout_s,
-                                           retry=Retry(NoBackoff(), 1))
-        self._down_until = 0.0
+        self.prefix, self.retry_s, self.timeout_s = prefix, retry_s, timeout_s
+        kind = ServerCapacity if self.cluster else KeptCapacity
+        self.capacity = kind(prefix, capacity_bytes, self.entry_key)
+        self._client: redis.Redis | redis.RedisCluster | None = None
+        self._down: dict[str, float] = {}  # node name (EVERYWHERE: all) -> until when it reads as empty
         self._lock = threading.Lock()
-        self.unreachable = 0  # times the tier found Redis down
+        self._headers: dict[str, tuple[float, bytes | None]] = {}  # read ahead of their lookups
+        self._wanted: dict[str, weakref.WeakSet] = {}  # layer field -> entries that will read it soon
+        self.unreachable = 0  # times a node (or the server) was found down
 
     # ---- plumbing ----------------------------------------------------------------------------
 
-    def _header_key(self, key: str) -> str:
-        return f"{self.prefix}{key}:h"
-
-    def _layers_key(self, key: str) -> str:
-        return f"{self.prefix}{key}:l"
+    def entry_key(self, key: str) -> str:
+        return self.prefix + key
 
     @property
-    def _lru(self) -> str:
-        return self.prefix + "lru"
+    def client(self) -> redis.Redis | redis.RedisCluster:
+        """The client, made on first use (a cluster's asks a node for the slot map as it is made)."""
+        if self._client is None:
+            with self._lock:
+                if self._client is None:
+                    self._client = connect(self._url, self.cluster, self.timeout_s)
+                    if self.cluster:
+                        self._check_eviction(self._client)
+        return self._client
 
-    @property
-    def _sizes(self) -> str:
-        return self.prefix + "sizes"
+    def _check_eviction(self, c) -> None:
+        """A cluster is bounded by its masters' maxmemory: say so where one would fill up instead."""
+        try:
+            configs = c.config_get("maxmemory*", target_nodes=redis.RedisCluster.PRIMARIES)
+        except (redis.RedisError, *FAULTS):  # managed services may refuse CONFIG: nothing to say then
+            return
+        for node, cfg in (configs.items() if isinstance(configs, dict) and "maxmemory" not in configs
+                          else [("all", configs)]):
+            if cfg.get("maxmemory") == "0" or cfg.get("maxmemory-policy", "").endswith("noeviction"):
+                log.warning("redis cluster node %s has maxmemory %s, policy %s: kvblend leaves the cluster's "
+                            "capacity to its servers (set maxmemory and allkeys-lru on every node)", node,
+                            cfg.get("maxmemory"), cfg.get("maxmemory-policy"))
 
-    @property
-    def _used(self) -> str:
-        return self.prefix + "used"
+    def _node(self, key: str | None) -> str:
+        """Which node serves `key` now, as far as redis-py's slot map says (the down-mark's name)."""
+        if key is None or not self.cluster or self._client is None:
+            return EVERYWHERE
+        try:
+            return self._client.get_node_from_key(self.entry_key(key)).name
+        except FAULTS:
+            return EVERYWHERE
+
+    def _is_down(self, node: str) -> bool:
+        now = time.monotonic()
+        return now < self._down.get(node, 0.0) or now < self._down.get(EVERYWHERE, 0.0)
+
+    def _mark_down(self, node: str, error: Exception) -> None:
+        with self._lock:
+            if not self._is_down(node):
+                self.unreachable += 1
+                where = "redis" if node == EVERYWHERE else f"redis node {node}"
+                log.warning("%s of tier %s unreachable (%s: %s); its keys read as empty for %.0f s", where,
+                            self.url, type(error).__name__, error, self.retry_s)
+            self._down[node] = time.monotonic() + self.retry_s
 
     @property
     def available(self) -> bool:
-        return time.monotonic() >= self._down_until
+        """Whether the tier as a whole may be tried (a down cluster node leaves the others)."""
+        return time.monotonic() >= self._down.get(EVERYWHERE, 0.0)
 
-    def _run(self, fn):
-        if not self.available:
+    def _run(self, fn, key: str | None = None):
+        """fn(client) for `key` (None: no key in particular); TierDown where its node is down."""
+        node = self._node(key)
+        if self._is_down(node):
             raise TierDown
         try:
             return fn(self.client)
-        except (redis.ConnectionError, redis.TimeoutError, OSError) as e:
-            with self._lock:
-                if self.available:
-                    self.unreachable += 1
-                    log.warning("redis tier %s unreachable (%s); local tiers only for %.0f s", self.url, e,
-                                self.retry_s)
-                self._down_until = time.monotonic() + self.retry_s
+        except FAULTS as e:
+            self._mark_down(node if self._client is not None else EVERYWHERE, e)
             raise TierDown from e
 
-    def call(self, fn):
-        """fn(client) for a neighbour of the entries (the neighbour indexes); TierDown while down."""
-        return self._run(fn)
+    def _each(self, keys: list[str], add, then=None) -> dict:
+        """add(pipeline, key) for every key in one pipeline (one round trip per shard, sent to all
+        shards before any answer is read), then then(pipeline, keys) where given; the keys' results
+        by key. Keys of a node that is down, or goes down now, are left out (the others answer)."""
+        keys = list(dict.fromkeys(k for k in keys if not self._is_down(self._node(k))))
+        if not keys:
+            return {}
+        try:
+            return self._pipelined(keys, add, then)
+        except FAULTS as e:
+            if not self.cluster or self._client is None:
+                self._mark_down(EVERYWHERE, e)
+                return {}
+        out, nodes = {}, {}
+        for key in keys:  # a node failed: each node's keys alone, so the others' still answer
+            nodes.setdefault(self._node(key), []).append(key)
+        for node, group in nodes.items():
+            try:
+                out |= self._pipelined(group, add, then)
+            except FAULTS as e:
+                self._mark_down(node, e)
+        return out
+
+    def _pipelined(self, keys: list[str], add, then=None) -> dict:
+        p = self.client.pipeline(transaction=False)
+        for key in keys:
+            add(p, key)
+        if then is not None:
+            then(p, keys)
+        return dict(zip(keys, p.execute()))
+
+    def call(self, fn, key: str | None = None):
+        """fn(client) for a neighbour of the entries (the neighbour indexes) whose Redis key is
+        `key`; TierDown while its node is down."""
+        return self._run(fn, key)
 
     def counters(self) -> dict[str, int]:
         return {**super().counters(), "unreachable": self.unreachable}
 
     # ---- reading -----------------------------------------------------------------------------
 
-    def _header(self, key: str, touch: bool) -> EntryMeta | None:
-        def read(c):
-            p = c.pipeline(transaction=False)
-            p.get(self._header_key(key))
-            if touch:
-                p.zadd(self._lru, {key: time.time()}, xx=True)
-            return p.execute()[0]
+    def prefetch(self, keys: list[str]) -> None:
+        """These keys are about to be looked up: read every header in one pipeline, so that the
+        lookups wait for one round trip, not one each."""
+        now = time.monotonic()
+        got = self._each(keys, lambda p, k: p.hget(self.entry_key(k), HEADER), then=self.capacity.touch)
+        with self._lock:
+            self._headers = {k: v for k, v in self._headers.items() if now - v[0] < PREFETCHED_S}
+            self._headers.update((k, (now, raw)) for k, raw in got.items())
 
-        try:
-            raw = self._run(read)
-        except TierDown:
-            return None
+    def _touch(self, c, keys: list[str]) -> None:
+        if keys:
+            p = c.pipeline(transaction=False)
+            self.capacity.touch(p, keys)
+            p.execute()
+
+    def _header(self, key: str, touch: bool) -> EntryMeta | None:
+        with self._lock:
+            ahead = self._headers.pop(key, None)
+        if ahead is not None and time.monotonic() - ahead[0] < PREFETCHED_S:
+            raw = ahead[1]
+        else:
+            def read(c):
+                p = c.pipeline(transaction=False)
+                p.hget(self.entry_key(key), HEADER)
+                if touch:
+                    self.capacity.touch(p, [key])
+                return p.execute()[0]
+
+            try:
+                raw = self._run(read, key)
+            except TierDown:
+                return None
         if raw is None:
             return None
         try:
@@ -175,31 +275,49 @@ class RedisTier(Counters):
     def header(self, key: str) -> EntryMeta | None:
         return self._header(key, touch=False)
 
+    def want(self, entry: RedisEntry, field: str) -> None:
+        with self._lock:
+            self._wanted.setdefault(field, weakref.WeakSet()).add(entry)
+
+    def layer_bytes(self, entry: RedisEntry, field: str) -> bytes | None:
+        """One layer field of an entry: read before with others, or now with every entry that
+        asked for the same field (RedisEntry.prefetch) in one pipeline. None: not there."""
+        with self._lock:
+            if field in entry.fetched:
+                return entry.fetched.pop(field)
+            group = [e for e in self._wanted.pop(field, ()) if e is not entry and field not in e.fetched]
+        got = self._each([entry.key] + [e.key for e in group], lambda p, k: p.hget(self.entry_key(k), field))
+        with self._lock:
+            for e in group:
+                if e.key in got:
+                    e.fetched[field] = got[e.key]
+        if entry.key not in got:
+            raise TierDown
+        return got[entry.key]
+
     def __contains__(self, key: str) -> bool:
         try:
-            return bool(self._run(lambda c: c.exists(self._header_key(key))))
+            return bool(self._run(lambda c: c.hexists(self.entry_key(key), HEADER), key))
         except TierDown:
             return False
 
+    def _report(self, fn, default):
+        """A figure over the whole tier (every master of a cluster); `default` while it cannot be had."""
+        try:
+            return self._run(lambda c: fn(c)) if not self.cluster else fn(self.client)
+        except (TierDown, *FAULTS):
+            return default
+
     def keys(self) -> list[str]:
         """Least recently used first."""
-        try:
-            return [k.decode() for k in self._run(lambda c: c.zrange(self._lru, 0, -1))]
-        except TierDown:
-            return []
+        return self._report(self.capacity.keys, [])
 
     def __len__(self) -> int:
-        try:
-            return int(self._run(lambda c: c.zcard(self._lru)))
-        except TierDown:
-            return 0
+        return self._report(self.capacity.count, 0)
 
     @property
     def used_bytes(self) -> int:
-        try:
-            return int(self._run(lambda c: c.get(self._used)) or 0)
-        except TierDown:
-            return 0
+        return self._report(self.capacity.used_bytes, 0)
 
     # ---- writing -----------------------------------------------------------------------------
 
@@ -211,62 +329,42 @@ class RedisTier(Counters):
         size = meta.nbytes
         if size > self.capacity_bytes:
             return False
-        layers = {str(layer): encode_layer(kv.parts(layer)) for layer in range(kv.n_layers)}
-        layers |= {f"p{layer}": encode_layer(p) for layer, p in enumerate(probe or [])}
-        ttl = self.ttl_s
+        fields = {HEADER: meta.to_json()}
+        fields |= {layer_field(layer): encode_layer(kv.parts(layer)) for layer in range(kv.n_layers)}
+        fields |= {layer_field(layer, True): encode_layer(p) for layer, p in enumerate(probe or [])}
+        ek = self.entry_key(key)
 
         def write(c) -> bool:
-            hk, lk = self._header_key(key), self._layers_key(key)
-            if c.exists(hk):  # already stored (by us or another process): only refresh its recency
-                c.zadd(self._lru, {key: time.time()}, xx=True)
+            if c.hexists(ek, HEADER):  # already stored (by us or another process): only refresh its recency
+                self._touch(c, [key])
                 return False
-            p = c.pipeline(transaction=False)
-            p.delete(lk)  # layers a dead writer may have left
-            p.hset(lk, mapping=layers)
-            if ttl:
-                p.expire(lk, ttl)
-            p.execute()
-            p = c.pipeline(transaction=True)  # the header last: only now is the entry visible
-            p.set(hk, meta.to_json(), ex=ttl)
-            p.hsetnx(self._sizes, key, size)
-            p.zadd(self._lru, {key: time.time()})
-            if p.execute()[1]:
-                c.incrby(self._used, size)
-            self._evict(c)
+            p = c.pipeline(transaction=True)  # one slot, one transaction: read whole or not at all
+            p.delete(ek)
+            p.hset(ek, mapping=fields)
+            if self.ttl_s:
+                p.expire(ek, self.ttl_s)
+            n = self.capacity.stage(p, key, size)
+            results = p.execute()
+            staged = results[len(results) - n:]
+            self.evictions += self.capacity.settle(c, key, size, staged)
             return True
 
         try:
-            wrote = self._run(write)
+            wrote = self._run(write, key)
         except TierDown:
             self.write_errors += 1
+            return False
+        except redis.ResponseError as e:  # a full server that evicts nothing (OOM), a refused command
+            self.write_errors += 1
+            log.warning("redis tier: cannot write %s (%s); going on without it", key[:22], e)
             return False
         if wrote:
             self.puts += 1
         return True
 
-    def _evict(self, c) -> None:
-        while int(c.get(self._used) or 0) > self.capacity_bytes:
-            popped = c.zpopmin(self._lru, 1)  # atomic: one process evicts each entry
-            if not popped:
-                break
-            self._remove(c, popped[0][0].decode())
-            self.evictions += 1
-
-    def _remove(self, c, key: str) -> bool:
-        p = c.pipeline(transaction=True)
-        p.delete(self._header_key(key))  # header first: nobody starts reading a dying entry
-        p.delete(self._layers_key(key))
-        p.zrem(self._lru, key)
-        p.hget(self._sizes, key)
-        p.hdel(self._sizes, key)
-        gone_h, _, _, size, had_size = p.execute()
-        if had_size and size is not None:
-            c.decrby(self._used, int(size))
-        return bool(gone_h)
-
     def delete(self, key: str) -> bool:
         try:
-            return self._run(lambda c: self._remove(c, key))
+            return self._run(lambda c: self.capacity.remove(c, key), key)
         except TierDown:
             return False
 

@@ -278,5 +278,5 @@ def build_store(s: Settings, spec: EntrySpec | None) -> TieredStore:
         except ModuleNotFoundError as e:
             raise ValueError(f"remote_url needs redis-py ({e.name} is missing): pip install 'kvblend[redis]'") from e
 
-        tiers.append(RedisTier(s.remote_url, int(s.max_remote_size * GIB), spec, s.remote_ttl))
+        tiers.append(RedisTier(s.remote_url, int(s.max_remote_size * GIB), spec, s.remote_ttl, cluster=s.remote_cluster))
     return TieredStore(tiers)
