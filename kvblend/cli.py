@@ -276,6 +276,8 @@ def cmd_store(args) -> int:
 
     if args.store_command == "put":
         return commands.cmd_put(_settings(args), args.files, args.data, args.limit)
+    if args.store_command == "size":
+        return commands.cmd_size(args.model, args.dtype, args.chunk_tokens, args.tokens)
     settings = _store_settings(args)
     if args.store_command == "ls":
         return commands.cmd_ls(settings, args.tier)
@@ -292,6 +294,11 @@ def _add_store_parser(sub) -> None:
     put.add_argument("files", nargs="*", help="text files, one document each")
     put.add_argument("--data", help="a dataset file (as for eval): every record's passages")
     put.add_argument("--limit", type=int)
+    size = ssub.add_parser("size", help="bytes a token of chunk KV takes, per stored form, for a model and dtype")
+    size.add_argument("--model", help="a known name, a model folder or a .gguf file (default: the default model)")
+    size.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    size.add_argument("--chunk-tokens", type=int, default=256, help="tokens an entry holds (default: chunk_size)")
+    size.add_argument("--tokens", type=int, help="a collection's tokens: what it takes in each form")
     for name, text in (("ls", "entries: key, tokens, bytes, tier"), ("evict", "delete entries"),
                        ("verify", "check every entry's checksums; delete bad ones")):
         p = ssub.add_parser(name, help=text)

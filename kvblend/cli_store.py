@@ -1,5 +1,6 @@
-"""`kvblend store put|ls|evict|verify`: fill, inspect and clean the persistent tiers (local disk,
-Redis) that the settings name. Only `put` loads the model; the others read entry headers.
+"""`kvblend store put|ls|evict|verify|size`: fill, inspect and clean the persistent tiers (local
+disk, Redis: one server or a cluster) that the settings name, and size them. Only `put` loads the
+model; `size` reads its config, the others entry headers.
 
 It sits beside cli.py, above every layer it uses: `put` runs the engine through the API and reads
 datasets through the eval, which both sit above the store."""
@@ -137,3 +138,36 @@ def cmd_verify(settings: Settings, tier: str | None) -> int:
                 print(f"{t.name} {key}: {e.reason}, deleted")
     print(f"{good} good, {bad} bad (deleted)")
     return 1 if bad else 0  # a script or cron job sees that the store held bad entries
+
+
+GB = 1e9
+
+
+def cmd_size(model: str | None, dtype: str, chunk_tokens: int, tokens: int | None) -> int:
+    """Bytes a token of chunk KV takes in each stored form, for a model and dtype (auto: what this
+    machine would run); with `tokens`, what a collection that large takes."""
+    from .model.loader import _read_config, auto_device, auto_dtype, check_architecture, resolve_model_path
+    from .store.entry_format import dtype_name
+    from .store.sizing import Shape, entry_bytes, forms
+
+    model = model or Settings.model_fields["model"].default
+    config = _read_config(resolve_model_path(model))
+    check_architecture(config, model)
+    shape = Shape(config.num_hidden_layers, config.num_key_value_heads,
+                  getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads)
+    dt = dtype_name(auto_dtype(dtype, auto_device()))
+    table = Table(title=f"{model}: {shape.n_layers} layers, {shape.n_kv_heads} KV heads of {shape.head_dim}, "
+                        f"computing in {dt}; chunks of {chunk_tokens} tokens")
+    for col in ("stored as", "bytes / token", "with compact copy (disk, Redis)", "chunks / GB (with copy)"):
+        table.add_column(col, justify="right")
+    rows = []
+    for label, quant in forms(dt):
+        plain, copy = (entry_bytes(shape, dt, quant, compact, chunk_tokens) for compact in (False, True))
+        rows.append((label, plain, copy))
+        table.add_row(label, f"{plain / chunk_tokens:,.0f}", f"{copy / chunk_tokens:,.0f}", f"{GB / copy:,.0f}")
+    Console().print(table)
+    if tokens:
+        for label, plain, copy in rows:
+            print(f"{tokens:,} tokens stored as {label}: {tokens * copy / chunk_tokens / GB:,.2f} GB on disk or "
+                  f"Redis, {tokens * plain / chunk_tokens / GB:,.2f} GB without compact copies")
+    return 0
