@@ -7,9 +7,10 @@ STAMP := $(VENV)/.kvblend-installed
 
 setup: $(STAMP) redis-server
 
-# The storage tests start a real redis-server on a free loopback port; CI machines start clean.
+# The storage tests start a real redis-server on a free loopback port, and a 3-master Redis Cluster
+# with `redis-cli --cluster create` (redis-cli comes with the package); CI machines start clean.
 redis-server:
-	@command -v redis-server >/dev/null || { \
+	@{ command -v redis-server && command -v redis-cli; } >/dev/null || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=; else SUDO=sudo; fi; \
 	  $$SUDO apt-get update && $$SUDO apt-get install -y redis-server; }
 

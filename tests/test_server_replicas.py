@@ -1,4 +1,5 @@
-"""Two `kvblend serve` processes on one Redis: a document stored through one is a hit on the other.
+"""Two `kvblend serve` processes on one Redis (a server, or a 3-master cluster): a document stored
+through one is a hit on the other.
 
 Both replicas are real subprocesses (the command a user runs) loading one tiny model folder, so
 their model fingerprints, and so their cache keys, agree only because the weights do."""
@@ -8,6 +9,7 @@ import time
 
 import httpx
 import pytest
+from redis_cluster import redis_cluster  # noqa: F401  (fixture)
 from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 from serving import MODEL_NAME, default_tokenizer, live_server, serve_process, stop, tiny_engine, wait_healthy
 from tiny_models import tiny_hf
@@ -23,13 +25,17 @@ def start_replica(folder, redis_url: str):
                          *(a for key in KEYS.values() for a in ("--api-key", key)))
 
 
-@pytest.fixture(scope="module")
-def replicas(tmp_path_factory):
+@pytest.fixture(scope="module", params=["server", "cluster"])
+def replicas(request, tmp_path_factory):
     tok = default_tokenizer()
     folder = tmp_path_factory.mktemp("model") / "tiny-llama"
     tiny_hf("llama", vocab_size=len(tok), max_position_embeddings=1024).save_pretrained(folder)
     tok.save_pretrained(folder)
-    redis = RedisServer().start()
+    if request.param == "server":
+        redis = RedisServer().start()
+    else:
+        redis = request.getfixturevalue("redis_cluster")
+        redis.flush()
     procs = []
     try:
         # Started together: each spends most of its start importing torch and loading the model.
@@ -40,13 +46,19 @@ def replicas(tmp_path_factory):
     finally:
         for proc, _ in procs:
             stop(proc)
-        redis.kill()
+        if request.param == "server":
+            redis.kill()
 
 
-def wait_in_redis(server: RedisServer, keys: list[str], why: str) -> None:
-    """Until every key's entry header is in `server` (60 s at most, then fail saying `why`)."""
+def stored(server, key: str) -> bool:
+    """Whether `server` (a Redis server or cluster) holds the entry of `key`, header and all."""
+    return bool(server.client().hexists(f"kvblend:{key}", "h"))
+
+
+def wait_in_redis(server, keys: list[str], why: str) -> None:
+    """Until every key's entry is in `server` (60 s at most, then fail saying `why`)."""
     deadline = time.monotonic() + 60
-    while not all(server.client().exists(f"kvblend:{k}:h") for k in keys):
+    while not all(stored(server, k) for k in keys):
         assert time.monotonic() < deadline, why
         time.sleep(0.05)
 
@@ -68,12 +80,12 @@ def test_a_document_stored_through_one_replica_is_a_hit_on_the_other(replicas):
     r = a.post("/v1/chunks", json={"documents": DOCS, "namespace": "kb"})
     assert r.status_code == 200, r.text
     assert r.json()["stored_new"] == len(DOCS)
-    # /v1/chunks answers once its chunks are written behind to Redis too (a header is written last).
+    # /v1/chunks answers once its chunks are written behind to Redis too (each entry in one write).
     keys = [d["key"] for d in r.json()["data"]]
-    assert all(redis.client().exists(f"kvblend:{key}:h") for key in keys)
+    assert all(stored(redis, key) for key in keys)
     # Indexed in the key's namespace, in Redis: B looks the chunks up by the neighbours A chose.
     ns = "key-" + hashlib.sha256(KEYS["alice"].encode()).hexdigest()[:16] + "/kb"
-    assert redis.client().exists(f"kvblend:neighbours:{ns}")
+    assert redis.client().exists(f"kvblend:{{neighbours:{ns}}}")
     on_b = complete(b, namespace="kb")
     assert on_b["kvblend"]["chunk_hits"] == len(DOCS) and on_b["kvblend"]["chunk_misses"] == 0, on_b["kvblend"]
     assert on_b["kvblend"]["reused_tokens"] > 0
@@ -122,7 +134,7 @@ def test_chunks_answer_after_a_slow_redis_has_them(redis_server):  # noqa: F811
         r = httpx.post(url + "/v1/chunks", json={"documents": DOCS}, timeout=60)
         assert r.status_code == 200, r.text
         keys = [d["key"] for d in r.json()["data"]]
-        assert len(keys) == len(DOCS) and all(redis_server.client().exists(f"kvblend:{k}:h") for k in keys)
+        assert len(keys) == len(DOCS) and all(stored(redis_server, k) for k in keys)
         hit = httpx.post(url + "/v1/completions", timeout=60, json={
             "model": MODEL_NAME, "prompt": "Q?", "max_tokens": 2, "temperature": 0, "documents": DOCS}).json()
         assert hit["kvblend"]["chunk_hits"] == len(DOCS)

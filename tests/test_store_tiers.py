@@ -13,7 +13,7 @@ import time
 import pytest
 import redis
 import torch
-from redis_cluster import RedisClusterNodes, any_redis, redis_cluster  # noqa: F401  (fixtures)
+from redis_cluster import any_redis, redis_cluster, start_cluster  # noqa: F401  (fixtures)
 from redis_server import RedisServer, redis_server  # noqa: F401  (fixture)
 from safetensors import safe_open
 
@@ -316,7 +316,7 @@ def test_a_cluster_evicts_whole_entries_under_its_maxmemory(redis_cluster):
 
 @pytest.mark.parametrize("kind", ["server", "cluster"])
 def test_redis_down_at_start_then_back(kind):
-    server = RedisServer() if kind == "server" else RedisClusterNodes()  # not started
+    server = RedisServer() if kind == "server" else start_cluster()  # not started
     tier = RedisTier(server.url, MB, SPEC, retry_s=0.0)
     assert tier.get("chunk-a") is None and not tier.put("chunk-a", kv()) and "chunk-a" not in tier
     assert tier.keys() == [] and tier.used_bytes == 0 and tier.unreachable >= 1 and tier.write_errors == 1

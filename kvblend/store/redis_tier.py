@@ -134,12 +134,14 @@ class RedisTier(Counters):
             configs = c.config_get("maxmemory*", target_nodes=redis.RedisCluster.PRIMARIES)
         except (redis.RedisError, *FAULTS):  # managed services may refuse CONFIG: nothing to say then
             return
-        for node, cfg in (configs.items() if isinstance(configs, dict) and "maxmemory" not in configs
-                          else [("all", configs)]):
-            if cfg.get("maxmemory") == "0" or cfg.get("maxmemory-policy", "").endswith("noeviction"):
-                log.warning("redis cluster node %s has maxmemory %s, policy %s: kvblend leaves the cluster's "
-                            "capacity to its servers (set maxmemory and allkeys-lru on every node)", node,
-                            cfg.get("maxmemory"), cfg.get("maxmemory-policy"))
+        if "maxmemory" in configs:  # one master: redis-py gives its answer alone
+            configs = {"the master": configs}
+        unbounded = [node for node, cfg in configs.items()
+                     if cfg.get("maxmemory") == "0" or cfg.get("maxmemory-policy", "").endswith("noeviction")]
+        if unbounded:
+            log.warning("redis cluster %s: %s without maxmemory or with noeviction; kvblend leaves a cluster's "
+                        "capacity to its servers: set maxmemory and allkeys-lru on every node (docs/storage.md"
+                        "#redis-cluster)", self.url, ", ".join(unbounded))
 
     def _node(self, key: str | None) -> str:
         """Which node serves `key` now, as far as redis-py's slot map says (the down-mark's name)."""
