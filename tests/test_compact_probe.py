@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from redis_cluster import redis_cluster  # noqa: F401  (fixture)
 from redis_server import RedisServer
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -22,12 +23,19 @@ from kvblend.store.tier import StoredEntry
 from kvblend.store.throttle import Throttled
 
 
-@pytest.fixture(params=["disk", "redis"])
+@pytest.fixture(params=["disk", "redis", "cluster"])
 def stored(request, tmp_path):
-    """(kind, an engine whose only tier is `kind`, holding STORED's chunks with compact copies)."""
+    """(kind, an engine whose only tier is `kind`, holding STORED's chunks with compact copies); Redis
+    as one server or a cluster."""
     server = RedisServer().start() if request.param == "redis" else None
+    url = server and server.url
+    if request.param == "cluster":
+        cluster = request.getfixturevalue("redis_cluster")
+        cluster.flush()
+        url = cluster.url
+    kind = "disk" if request.param == "disk" else "redis"
     try:
-        yield request.param, stored_engine(request.param, tmp_path, server and server.url, compact_probe=True)
+        yield kind, stored_engine(kind, tmp_path, url, compact_probe=True)
     finally:
         if server:
             server.kill()

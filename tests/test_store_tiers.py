@@ -131,9 +131,10 @@ def test_a_prompts_headers_and_layers_take_one_pipeline_each(any_redis, monkeypa
     keys = [f"chunk-{i:02d}" for i in range(20)]
     for i, key in enumerate(keys):
         tier.put(key, kv(seed=i))
-    sent = []
+    sent, measured = [], []
     pipelined = tier._pipelined
     monkeypatch.setattr(tier, "_pipelined", lambda ks, *a: sent.append(list(ks)) or pipelined(ks, *a))
+    monkeypatch.setattr(tier.meter, "record", lambda nbytes, seconds: measured.append(nbytes))
     tier.prefetch(keys + ["chunk-missing"])
     entries = [tier.get(key) for key in keys]
     assert tier.get("chunk-missing") is None and len(sent) == 1  # every lookup answered by the one read
@@ -143,6 +144,8 @@ def test_a_prompts_headers_and_layers_take_one_pipeline_each(any_redis, monkeypa
         for i, e in enumerate(entries):
             assert same_layer(e.layer(layer), kv(seed=i), layer)
     assert len(sent) == 1 + L and all(sorted(s) == keys for s in sent[1:])
+    # The tier's bandwidth (the loading controller's) is measured over each pipeline, all its bytes.
+    assert measured == [20 * entries[0].meta.layer_nbytes] * L
     assert tier.hits == 20 and tier.misses == 1
 
 

@@ -63,7 +63,9 @@ def layer_field(layer: int, compact: bool = False) -> str:
 
 class RedisEntry(StoredEntry):
     def __init__(self, meta: EntryMeta, tier: RedisTier):
-        super().__init__(meta, "redis", tier.meter)
+        # No meter of its own: a layer is often read with other entries' in one pipeline, so the
+        # tier measures those reads (RedisTier.layer_bytes), not each entry its share of them.
+        super().__init__(meta, "redis")
         self._tier = tier
         self.fetched: dict[str, bytes | None] = {}  # layers read with another entry's, not yet taken
 
@@ -288,7 +290,9 @@ class RedisTier(Counters):
             if field in entry.fetched:
                 return entry.fetched.pop(field)
             group = [e for e in self._wanted.pop(field, ()) if e is not entry and field not in e.fetched]
+        t0 = time.perf_counter()
         got = self._each([entry.key] + [e.key for e in group], lambda p, k: p.hget(self.entry_key(k), field))
+        self.meter.record(sum(len(v) for v in got.values() if v), time.perf_counter() - t0)
         with self._lock:
             for e in group:
                 if e.key in got:
