@@ -1,5 +1,5 @@
-"""TTFT and quality of `blend` with chunk KV read from each storage tier (memory, disk, Redis, and a
-disk throttled to set bandwidths): at default settings (every layer read ahead from the moment
+"""TTFT and quality of `blend` with chunk KV read from each storage tier (memory, disk, Redis, a Redis
+Cluster, and a disk throttled to set bandwidths): at default settings (every layer read ahead from the moment
 the request is planned, the loading controller, the compact copies stored for the probe to read
 where the controller chooses), with the controller off (the probe over the full KV), with the
 probe always reading the compact copies, and with the former read-ahead (two layers ahead). One
@@ -9,7 +9,8 @@ on all alike.
 
 Each prompt's chunks are precomputed once (untimed) and copied into every tier; disk reads are
 cold (the entry files' pages are dropped from the page cache with posix_fadvise before each
-request); Redis is a redis-server on loopback that this script starts. Quality is scored as
+request); Redis is a redis-server on loopback that this script starts, the cluster three masters
+with a replica each on loopback (benchmarks/local_servers.py), started by the script too. Quality is scored as
 `kvblend eval` does: full prefill's greedy answer teacher-forced into each configuration's KV,
 KL divergence and top-1 agreement over its first 16 positions.
 
@@ -45,6 +46,7 @@ from kvblend.eval.harness import REFERENCE_CAPACITY, full_reference, prompt_ids,
 from kvblend.eval.metrics import kl_divergence
 from kvblend.model.loader import load_model
 from kvblend.store.throttle import Throttled
+from local_servers import redis_cluster  # this script's folder is on sys.path (a test registers it)
 
 FORMER_DEPTH = 2  # the read-ahead every layer replaced as the default
 
@@ -115,18 +117,21 @@ class Config:
         return self.schedule != "off"
 
 
+TIERS = ("memory", "disk", "redis", "cluster")
+
+
 def configs_for(bandwidths: list[float], former: bool | set[str] = True, off: bool | set[str] = True,
                 plain: bool | set[str] = True, compact: bool | set[str] = True) -> list[Config]:
     """Every tier, then the throttled disks; `plain` (default settings), `off` (the loading
     controller off: the probe reads the full KV), `compact` (the controller off, the probe always
     reading the compact copies) and `former` run at every tier (True) or at the ones named
-    ("memory", "disk", "redis", or a bandwidth such as "100"). Memory, the yardstick, always
+    ("memory", "disk", "redis", "cluster", or a bandwidth such as "100"). Memory, the yardstick, always
     runs at default settings (its probe reads the full KV it holds)."""
     def at(which, name: str) -> bool:
         return which if isinstance(which, bool) else name in which
 
     out = []
-    for tier in ("memory", "disk", "redis"):
+    for tier in TIERS:
         if tier == "memory" or at(plain, tier):
             out.append(Config(tier, tier))
         if tier != "memory" and at(off, tier):
@@ -148,9 +153,20 @@ def configs_for(bandwidths: list[float], former: bool | set[str] = True, off: bo
     return out
 
 
+@contextmanager
+def cluster_for(configs: list[Config], url: str | None):
+    """The cluster's URL where a configuration reads from one: `url`, or a local one started now."""
+    if url or not any(c.tier == "cluster" for c in configs):
+        yield url
+    else:
+        with redis_cluster() as started:
+            yield started
+
+
 def run(model, records: list[RagRecord], base: Settings, configs: list[Config], out: str, plot: str | None,
-        quality: bool = True, sep_ids: list[int] | None = None, progress: bool = True, repeats: int = 1) -> dict:
-    with redis_and_scratch("kvblend-bench-") as (url, tmp):
+        quality: bool = True, sep_ids: list[int] | None = None, progress: bool = True, repeats: int = 1,
+        cluster_url: str | None = None) -> dict:
+    with redis_and_scratch("kvblend-bench-") as (url, tmp), cluster_for(configs, cluster_url) as cluster:
         def engine(**update) -> Engine:
             return Engine(model, base.model_copy(update=update), sep_ids=sep_ids)
 
@@ -158,7 +174,8 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
         engines = {}
         for c in configs:  # the disk and Redis engines share one store each, throttled ones another
             if c.tier != "memory" and engine_key(c) not in engines:
-                where = {"disk": dict(local_disk=str(tmp / "disk")), "redis": dict(remote_url=url)}
+                where = {"disk": dict(local_disk=str(tmp / "disk")), "redis": dict(remote_url=url),
+                         "cluster": dict(remote_url=cluster)}
                 e = engine(local_cpu=False, **where.get(c.tier, dict(local_disk=str(tmp / "slow"))),
                            **SCHEDULES[c.schedule])
                 if c.tier == "throttled":
@@ -169,7 +186,7 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
         def engine_of(c: Config) -> Engine:
             return engines[engine_key(c)] if c.tier != "memory" else mem
 
-        copies = list({e.store.tiers[0].name + str(getattr(e.store.tiers[0], "root", "")): e
+        copies = list({str(getattr(e.store.tiers[0], "root", "")) + str(getattr(e.store.tiers[0], "url", "")): e
                        for e in engines.values() if e is not mem}.values())
         runs: dict[str, list[dict]] = {c.label: [] for c in configs}
         tokens, stored_bytes, warm = [], [], set()
@@ -221,7 +238,7 @@ def run(model, records: list[RagRecord], base: Settings, configs: list[Config], 
             Path(out).write_text(json.dumps({"partial": True, "prompts_done": i + 1, "runs": runs}, indent=1))
         measured = {}
         for c in configs:
-            if c.tier in ("disk", "redis"):
+            if c.tier in ("disk", "redis", "cluster"):
                 measured.setdefault(c.tier, engine_of(c).store.tiers[0].meter.rate)
         for e in engines.values():
             e.close()
@@ -286,7 +303,7 @@ def draw(payload: dict, path: str) -> None:
                      if r["tier"] == "throttled" and all(r[k] == v for k, v in match.items()))
         if pts:
             ax.plot(*zip(*pts), style, label=f"throttled disk, {name}")
-    for tier, marker in (("disk", "D"), ("redis", "P")):
+    for tier, marker in (("disk", "D"), ("redis", "P"), ("cluster", "X")):
         mb = payload["meta"]["measured_mb_s"].get(tier)
         r = next((r for r in rows if r["config"] == tier), None)
         if mb and r:
@@ -326,6 +343,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=1, help="runs of each configuration on each prompt, in a new "
                     "shuffled order each round; TTFT is their mean, and each run is also set against memory's run of "
                     "the same prompt and round (the median of those ratios)")
+    ap.add_argument("--cluster-url", help="a Redis Cluster to read the cluster rows from (redis+cluster://host:port; "
+                    "it is written to and its kvblend: keys deleted); default: a local one started for the run")
     ap.add_argument("--no-quality", action="store_true", help="leave out full prefill and the quality columns")
     ap.add_argument("--out", default="results/storage_bench.json")
     ap.add_argument("--plot", default="results/storage_bench.png")
@@ -339,7 +358,8 @@ def main(argv: list[str] | None = None) -> None:
 
     configs = configs_for([float(b) for b in args.bandwidths.split(",") if b], which(args.former_at),
                           which(args.off_at), which(args.plain_at), which(args.compact_at))
-    run(model, records, base, configs, args.out, args.plot, quality=not args.no_quality, repeats=args.repeats)
+    run(model, records, base, configs, args.out, args.plot, quality=not args.no_quality, repeats=args.repeats,
+        cluster_url=args.cluster_url)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ import json
 import sys
 from pathlib import Path
 
+from redis_cluster import redis_cluster  # noqa: F401  (fixture; registers the benchmarks' launcher)
 from serving import tiny_engine
 
 from kvblend.eval.datasets import QA, RagRecord
@@ -33,19 +34,21 @@ RECORDS = [
 ]
 
 
-def test_storage_bench_runs_every_tier_and_schedule_on_a_tiny_model(tmp_path):
+def test_storage_bench_runs_every_tier_and_schedule_on_a_tiny_model(tmp_path, redis_cluster):  # noqa: F811
     bench = load_bench()
     engine = tiny_engine()
     configs = bench.configs_for([300.0], former=True, off=True)
     out, plot = tmp_path / "bench.json", tmp_path / "bench.png"
-    bench.run(engine.model, RECORDS, engine.settings, configs, str(out), str(plot), progress=False, repeats=2)
+    redis_cluster.flush()
+    bench.run(engine.model, RECORDS, engine.settings, configs, str(out), str(plot), progress=False, repeats=2,
+              cluster_url=redis_cluster.url)
     payload = json.loads(out.read_text())
     rows = {r["config"]: r for r in payload["rows"]}
     assert list(rows) == [c.label for c in configs] and plot.stat().st_size > 0
     assert rows["memory"]["vs_memory"] == rows["memory"]["vs_memory_paired"] == 1.0
     assert all(len(runs) == 2 * len(RECORDS) for runs in payload["runs"].values())
     for label, tier in (("memory", "memory"), ("disk, controller off", "disk"), ("redis, controller off", "redis"),
-                        ("disk at 300 MB/s, controller off", "disk")):
+                        ("cluster, controller off", "redis"), ("disk at 300 MB/s, controller off", "disk")):
         assert set(rows[label]["tiers"]) == {tier, "prefix"}  # the first chunk comes exact, by default
     # At default settings every request carries the loading controller's decision.
     assert all(run["controller"] for c in configs if c.schedule == "default" for run in payload["runs"][c.label])
