@@ -58,7 +58,7 @@ from kvblend.eval.datasets import RagRecord, load_dataset
 from kvblend.eval.harness import greedy, index_dataset, prompt_ids, teacher_forced
 from kvblend.eval.metrics import kl_divergence, kl_listed, top_logprobs
 from kvblend.model.loader import load_model
-from kvblend.server import prompts
+from kvblend.engine import prompts
 from kvblend.server.app import ServerConfig
 
 MODEL_NAME = "yardstick"
@@ -85,8 +85,8 @@ def question_of(record: RagRecord) -> str:
 def check_same_prompt(engine: Engine, record: RagRecord) -> list[int]:
     """The ids the server builds from the completion body are the harness's prompt ids."""
     ids = prompt_ids(engine, record)
-    served = prompts.completion_ids(engine.tokenizer, engine.settings.separator, engine.sep_ids, question_of(record),
-                                    record.passages, record.task.system)
+    served = prompts.completion_prompt(engine.tokenizer, engine.settings.separator, engine.sep_ids, question_of(record),
+                                       record.passages, record.task.system).ids
     if served != ids:
         raise SystemExit("the completion body does not build kvblend eval's prompt ids")
     return ids

@@ -24,12 +24,18 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvblend.blend.key_shift import evenly_spaced
 from kvblend.eval.harness import REFERENCE_CAPACITY, full_reference, prompt_ids
 
 from exact_selected import print_scores, score_against
 
 from kvblend.eval.dev_records import add_record_flags, open_records
+
+
+def evenly_spaced(rows: torch.Tensor, n: int) -> torch.Tensor:
+    """`n` evenly spaced entries of `rows`, first and last included (all of them where there are fewer)."""
+    if rows.numel() <= n:
+        return rows
+    return rows[torch.linspace(0, rows.numel() - 1, n, device=rows.device).round().long()]
 
 
 def unrotated(runner, layer: int, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

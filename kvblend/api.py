@@ -14,14 +14,16 @@ from dataclasses import dataclass
 
 from tqdm import tqdm
 
+from .blend.segment import Prompt
 from .config import Settings, load_settings
-from .engine.engine import Completion, Engine, RequestError, RequestMetrics
+from .engine.engine import Engine, RequestError, RequestMetrics
+from .engine.prompts import chat_prompt, chunk_prompt, completion_prompt, rag
 from .engine.sampler import SamplingParams
+from .engine.requests import Request
+from .engine.scheduler import Scheduler
 from .model.loader import load_model
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "RequestError"]
-
-DEFAULT_SYSTEM = "You are a helpful assistant. Answer the question using the passages."
 
 
 @dataclass
@@ -42,28 +44,27 @@ class LLM:
         self.settings = settings or load_settings(model=model, dtype=dtype, device=device, **overrides)
         loaded = load_model(self.settings.model, self.settings.dtype, self.settings.device)
         self.engine = Engine(loaded, self.settings)
+        self.loop = Scheduler(self.engine)  # the server's engine loop, run here in the caller's thread
         self.tokenizer = loaded.tokenizer
         self._next_id = 0
 
-    # ---- building prompts ------------------------------------------------------------------
+    # ---- building prompts (as the server builds them: engine/prompts.py) ------------------------
 
     def encode(self, prompt: str) -> list[int]:
         """Token ids of a text prompt, separators kept as their exact ids."""
-        from .blend.segment import tokenize_prompt
-
-        return tokenize_prompt(self.tokenizer, prompt, self.settings.separator)
+        return completion_prompt(self.tokenizer, self.settings.separator, self.engine.sep_ids, prompt, None, None).ids
 
     def rag_prompt_ids(self, question: str, documents: Sequence[str], system: str | None = None) -> list[int]:
-        """prefix SEP doc_1 SEP ... SEP doc_n SEP question (see blend.segment.rag_prompt_ids)."""
-        from .blend.segment import rag_prompt_ids
+        """prefix SEP doc_1 SEP ... SEP doc_n SEP question (see blend.segment.rag_prompt)."""
+        return rag(self.tokenizer, self.engine.sep_ids, question, documents, system).ids
 
-        return rag_prompt_ids(self.tokenizer, self.engine.sep_ids, system or DEFAULT_SYSTEM, question, documents)
+    def chat_ids(self, messages: list[dict], documents: Sequence[str] | None = None, system: str | None = None) -> list[int]:
+        """Messages through the chat template (a plain one where the model has none), with the
+        documents as chunks at the start of the last user turn."""
+        return self._chat_prompt(messages, documents, system).ids
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):  # base models (gemma3-270m)
-            raise RequestError(f"model {self.settings.model!r} has no chat template: send a plain prompt")
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.encode(text)
+    def _chat_prompt(self, messages, documents, system) -> Prompt:
+        return chat_prompt(self.tokenizer, self.settings.separator, self.engine.sep_ids, messages, documents, system)
 
     # ---- generation ------------------------------------------------------------------------
 
@@ -71,30 +72,41 @@ class LLM:
                  prompt_token_ids: Sequence[int] | Sequence[Sequence[int]] | None = None,
                  documents: Sequence[str] | Sequence[Sequence[str]] | None = None, mode: str | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for text prompts or token-id prompts. With `documents`, each prompt is the
-        question and the documents become reusable chunks (one list per prompt, or one list for
-        a single prompt)."""
-        params = sampling_params or SamplingParams()
-        requests = self._requests(prompts, prompt_token_ids, documents)
-        outputs = []
-        for ids in tqdm(requests, desc="generate", disable=not use_tqdm):
-            done: Completion = self.engine.generate(ids, params, mode)
-            outputs.append(RequestOutput(self._next_id, ids, done.text, done.token_ids, done.finish_reason, done.metrics))
-            self._next_id += 1
-        return outputs
+        """Generate for text prompts or token-id prompts, batched through the engine loop the server
+        runs. With `documents`, each prompt is the question and the documents become reusable
+        chunks (one list per prompt, or one list for a single prompt)."""
+        return self._generate(self._prompts(prompts, prompt_token_ids, documents), sampling_params, mode, use_tqdm)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None,
+             documents: Sequence[str] | None = None, system: str | None = None,
              mode: str | None = None) -> RequestOutput:
-        return self.generate(prompt_token_ids=[self.chat_ids(messages)], sampling_params=sampling_params, mode=mode)[0]
+        """One chat turn; with `documents`, as reusable chunks at the start of the last user turn
+        (the prompt /v1/chat/completions builds)."""
+        return self._generate([self._chat_prompt(messages, documents, system)], sampling_params, mode, False)[0]
+
+    def _generate(self, prompts: list[Prompt], sampling_params: SamplingParams | None, mode: str | None,
+                  use_tqdm: bool) -> list[RequestOutput]:
+        params = sampling_params or SamplingParams()
+        for p in prompts:  # every prompt checked before any is computed
+            self.engine.check_ids(p.ids, params.max_tokens)
+        mode = self.engine.effective_mode(mode)
+        requests = [Request(p.ids, params, mode, self.engine.keys.namespace, seg=p.seg) for p in prompts]
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm) as bar:
+            done = self.loop.run(requests, on_done=bar.update)
+        outputs = []
+        for p, c in zip(prompts, done):
+            outputs.append(RequestOutput(self._next_id, p.ids, c.text, c.token_ids, c.finish_reason, c.metrics))
+            self._next_id += 1
+        return outputs
 
     def store_documents(self, documents: Sequence[str], system: str | None = None) -> int:
         """Precompute and store documents' KV ahead of requests; returns how many were new.
         The documents given together are a collection: with `neighbour_context` each is
         precomputed after its most similar one (see Settings)."""
-        ids = self.rag_prompt_ids("", documents, system)
-        self.engine.index_collection([ids])
-        stored = self.engine.precompute(ids)
-        self.engine.reencode_neighbours(ids)  # older documents these are much closer to
+        built = chunk_prompt(self.tokenizer, self.engine.sep_ids, documents, system)
+        self.engine.index_collection([built.ids], [built.seg])
+        stored = self.engine.precompute(built.ids, built.seg)
+        self.engine.reencode_neighbours(built.ids, built.seg)  # older documents these are much closer to
         return stored
 
     def store_stats(self) -> dict[str, dict]:
@@ -105,7 +117,7 @@ class LLM:
         """Finish the background writes to the disk and Redis tiers."""
         self.engine.close()
 
-    def _requests(self, prompts, prompt_token_ids, documents) -> list[list[int]]:
+    def _prompts(self, prompts, prompt_token_ids, documents) -> list[Prompt]:
         if (prompts is None) == (prompt_token_ids is None):
             raise RequestError("give exactly one of prompts or prompt_token_ids")
         if prompts is not None:
@@ -113,16 +125,16 @@ class LLM:
             if not prompts:
                 raise RequestError("no prompts given")
             if documents is None:
-                return [self.encode(p) for p in prompts]
+                return [Prompt(self.encode(p)) for p in prompts]
             docs = [documents] if documents and isinstance(documents[0], str) else list(documents)
             if len(docs) != len(prompts):
                 raise RequestError(f"{len(prompts)} prompts but {len(docs)} document lists")
-            return [self.rag_prompt_ids(p, d) for p, d in zip(prompts, docs)]
+            return [rag(self.tokenizer, self.engine.sep_ids, p, d, None) for p, d in zip(prompts, docs)]
         if documents is not None:
             raise RequestError("documents go with text prompts, not prompt_token_ids")
         ids = list(prompt_token_ids)
         if not ids:
             raise RequestError("no prompt token ids given")
         if all(isinstance(t, int) for t in ids):
-            return [ids]
-        return [list(p) for p in ids]
+            return [Prompt(ids)]
+        return [Prompt(list(p)) for p in ids]

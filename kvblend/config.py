@@ -132,15 +132,6 @@ class Settings(BaseSettings):
     # The probe computes only the suffix's last this many tokens (0: all of it). See
     # BlendConfig.probe_suffix_tokens and docs/experiments.md#the-probe.
     probe_suffix_tokens: int = Field(default=32, ge=0)
-    # The selector scores attention^attention_power x deviation (0: deviation alone among the probe's
-    # check candidates). See BlendConfig.attention_power.
-    attention_power: float = Field(default=1.0, ge=0)
-    # After the check, stale keys move by this share of the shift their chunk's recomputed rows
-    # measure (0: off). See BlendConfig.stale_key_shift.
-    stale_key_shift: float = Field(default=0.0, ge=0, le=1)
-    # With stale_key_shift: evenly spaced rows of each chunk computed to measure it (0: the selected
-    # rows measure it). See BlendConfig.shift_rows.
-    shift_rows: int = Field(default=0, ge=0)
     chunk_context: Literal["bare", "bos", "prefix"] = "prefix"  # measured best: docs/experiments.md#chunk-context
     # When a collection is known (`kvblend store put`, `eval`, `demo`, LLM.store_documents), each of
     # its chunks is precomputed after its most similar other chunk (docs/experiments.md#chunk-context).

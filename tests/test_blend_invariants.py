@@ -12,6 +12,7 @@ from kvblend.blend.segment import join_segments
 from kvblend.config import Settings
 from kvblend.engine.engine import Engine
 from kvblend.engine.sampler import SamplingParams
+from kvblend.engine.scheduler import generate
 
 SEP = [7, 7, 3]
 
@@ -139,7 +140,7 @@ def test_miss_in_the_middle_is_computed_and_later_chunks_still_reused():
     assert not set(range(*c_span)) & recomputed  # the chunk after it is reused
     assert out.stats.reused_tokens == len(c)
     # Generating stores the missed chunk, so the next request hits all three.
-    engine.generate(ids, SamplingParams(max_tokens=2))
+    generate(engine, ids, SamplingParams(max_tokens=2))
     assert engine.plan(ids, "blend").hits == 3
 
 
@@ -244,7 +245,7 @@ def test_prefix_mode_reuses_exact_prefix_and_matches_full():
     engine = make_engine()
     cs = chunks(3, seed=8)
     ids = prompt(cs)
-    engine.generate(ids, SamplingParams(max_tokens=1), mode="prefix")  # stores every exact block
+    generate(engine, ids, SamplingParams(max_tokens=1), mode="prefix")  # stores every exact block
     plan, out = prefill(engine, ids, "prefix")
     assert plan.prefix_hit == len(ids) - 1
     _, full = prefill(engine, ids, "full")
@@ -441,17 +442,3 @@ def test_a_probe_over_the_suffix_tail_skips_only_its_head_and_keeps_the_exact_en
     assert_the_probe_skipped(engine, ids, head, whole, tailed, probe_suffix_tokens=tail)
     with pytest.raises(ValueError, match="probe_suffix_tokens"):
         replace(engine.blend_cfg, probe_suffix_tokens=-1)
-
-
-def test_attention_power_zero_selects_as_plain_hkvd_over_the_same_candidates():
-    engine = make_engine(stale_key_scale=0.5)
-    cs = chunks(3, seed=25)  # a prompt where the attention weighting changes the choice at 10%
-    engine.precompute(prompt(cs))
-    ids = prompt([cs[2], cs[0], cs[1]])
-    _, plain = prefill(engine, ids, "blend", ratios=[0.1], weight_by_attention=False)
-    _, weighted = prefill(engine, ids, "blend", ratios=[0.1], check_candidates=0)
-    _, powered = prefill(engine, ids, "blend", ratios=[0.1], check_candidates=0, attention_power=0.0)
-    assert powered.stats.selected_positions == plain.stats.selected_positions
-    assert weighted.stats.selected_positions != plain.stats.selected_positions
-    with pytest.raises(ValueError, match="attention_power"):
-        replace(engine.blend_cfg, attention_power=-1.0)

@@ -7,9 +7,10 @@ import pytest
 import torch
 
 from kvblend import LLM, SamplingParams
-from kvblend.blend.segment import SeparatorInDocument
+from kvblend.engine.prompts import PromptError
 from kvblend.config import Settings
 from kvblend.engine.engine import Engine, RequestError
+from kvblend.engine.scheduler import generate
 
 pytestmark = pytest.mark.real_model
 
@@ -28,7 +29,7 @@ def test_greedy_generation_equals_transformers_generate(default_fp32, engine, qu
                                   tokenize=True, return_dict=False)
     ids = list(ids["input_ids"] if isinstance(ids, dict) else ids)
     ref = default_fp32.hf.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)[0, len(ids):].tolist()
-    out = engine.generate(ids, SamplingParams(max_tokens=24), mode="full")
+    out = generate(engine, ids, SamplingParams(max_tokens=24), mode="full")
     eos = [i for i, t in enumerate(ref) if t in engine.eos_ids]
     expected = ref[: eos[0] + 1] if eos else ref
     assert out.token_ids == expected
@@ -96,8 +97,10 @@ def test_bad_requests_are_clear_errors(llm):
 
 def test_a_document_holding_the_separator_is_refused_on_every_python_way_in(llm):
     docs = ["The bridge has seven arches.", f"Marrowick{llm.settings.separator} lies on the Tesk."]
-    with pytest.raises(SeparatorInDocument, match="document 2 holds the separator"):
-        llm.generate("How many arches?", documents=docs)
-    with pytest.raises(SeparatorInDocument, match="document 2"):
-        llm.store_documents(docs)
+    for refused in (lambda: llm.generate("How many arches?", documents=docs),
+                    lambda: llm.chat([{"role": "user", "content": "How many arches?"}], documents=docs),
+                    lambda: llm.store_documents(docs)):
+        with pytest.raises(PromptError, match="document 2 holds the separator") as e:
+            refused()
+        assert e.value.param == "documents"
     assert llm.store_documents(docs[:1]) == 1  # the others are kept whole, as ever

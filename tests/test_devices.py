@@ -23,6 +23,7 @@ from kvblend.config import Settings
 from kvblend.engine.engine import Engine
 from kvblend.engine.sampler import SamplingParams
 from kvblend.model.runner import Runner
+from kvblend.engine.scheduler import generate
 
 DTYPES = [torch.float32, torch.bfloat16]
 # Logits of the tiny models are O(1): fp32 differs only by summation order, bf16 by its 8-bit
@@ -99,13 +100,13 @@ def test_greedy_generation_matches_transformers(device):
     engine = engine_on(device, torch.float32)
     ids = prompt(chunks(3, seed=6))
     params = SamplingParams(max_tokens=8, ignore_eos=True)
-    got = engine.generate(ids, params, mode="full").token_ids
+    got = generate(engine, ids, params, mode="full").token_ids
     hf = engine.model.hf
     seq = torch.tensor([ids], device=device)
     for _ in range(8):  # greedy by hand: no generation config to depend on
         seq = torch.cat([seq, hf(seq).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
     assert got == seq[0, len(ids):].tolist()
-    blended = engine.generate(ids, params, mode="blend")  # precomputed by the first request's misses
+    blended = generate(engine, ids, params, mode="blend")  # precomputed by the first request's misses
     assert len(blended.token_ids) == 8
 
 

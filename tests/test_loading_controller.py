@@ -15,6 +15,7 @@ from kvblend.blend.controller import LayerReads, LoadingController, Work, play, 
 from kvblend.config import Settings
 from kvblend.engine.sampler import SamplingParams
 from kvblend.store.throttle import Throttled
+from kvblend.engine.scheduler import generate
 
 FLOOR = 0.15
 
@@ -223,9 +224,9 @@ def test_throttled_tier_is_worked_around_and_the_decision_is_in_the_metrics(tmp_
     engine = stored_engine("disk", tmp_path, loading_controller=True)
     engine.store.tiers[0] = Throttled(engine.store.tiers[0], bytes_per_s=50_000)  # ~0.1 s a layer
     params = SamplingParams(max_tokens=1)
-    first = engine.generate(ASKED, params, store=False).metrics  # measures the tier and compute
+    first = generate(engine, ASKED, params, store=False).metrics  # measures the tier and compute
     assert first.chunk_tiers == ["disk"] * 4 and "not measured" in first.controller["reason"]
-    second = engine.generate(ASKED, params, store=False).metrics
+    second = generate(engine, ASKED, params, store=False).metrics
     d = second.controller
     assert "loading-bound" in d["reason"] and d["floor"] == FLOOR
     assert d["dropped"] > 0 or d["ratio"] > FLOOR
@@ -238,7 +239,7 @@ def test_memory_only_controller_never_changes_the_ratio():
     engine = make_engine(loading_controller=True)
     engine.precompute(STORED)
     for _ in range(3):
-        m = engine.generate(ASKED, SamplingParams(max_tokens=1)).metrics
+        m = generate(engine, ASKED, SamplingParams(max_tokens=1)).metrics
         assert m.chunk_tiers == ["memory"] * 4 and m.controller["ratio"] == FLOOR
 
 
@@ -247,7 +248,7 @@ def test_reads_come_from_the_fastest_tier(tmp_path, redis_server):
     engine.precompute(STORED)
     engine.store.flush()
     engine.store.tiers[0] = Throttled(engine.store.tiers[0], bytes_per_s=50_000)  # disk, slow
-    tiers = [engine.generate(ASKED, SamplingParams(max_tokens=1), store=False).metrics.chunk_tiers[0]
+    tiers = [generate(engine, ASKED, SamplingParams(max_tokens=1), store=False).metrics.chunk_tiers[0]
              for _ in range(3)]
     # Disk measured slow, Redis measured, then Redis: read, or (its rate measured on a loaded
     # machine) recomputed rather than read, "redis: recomputed".

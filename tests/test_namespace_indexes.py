@@ -10,6 +10,7 @@ from redis_server import RedisServer
 from test_blend_invariants import SEP, chunks, make_engine, prompt
 
 from kvblend import SamplingParams
+from kvblend.engine.scheduler import generate
 from kvblend.store.index_store import FilePlace, RedisPlace, build_index_store
 from kvblend.store.redis_tier import RedisTier
 
@@ -98,7 +99,7 @@ def test_a_corrupt_or_missing_index_loses_nothing(place, how, caplog):
         # The first chunk comes exact from the prefix blocks (no neighbour in their keys); the
         # others were stored under keys naming their neighbours: misses, recomputed, stored plain.
         assert plan.hits == 1 and len(plan.misses) == 2
-        restarted.generate(ids, SamplingParams(max_tokens=2))
+        generate(restarted, ids, SamplingParams(max_tokens=2))
         assert restarted.plan(ids, "blend").hits == 3
         restarted.index_collection([ids])  # the next addition rebuilds it
         assert len(restarted.keys.neighbours) == 3

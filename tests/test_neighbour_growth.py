@@ -17,7 +17,8 @@ from test_server_neighbours import ids_of
 from kvblend.blend.neighbours import NeighbourIndex
 from kvblend.blend.segment import join_segments
 from kvblend.engine.sampler import SamplingParams
-from kvblend.server import scheduler as scheduler_module
+from kvblend.engine import scheduler as scheduler_module
+from kvblend.engine.scheduler import generate
 
 A = list(range(100, 124))
 B = A[:18] + list(range(260, 266))  # much like A
@@ -61,8 +62,8 @@ def test_a_chunk_first_indexed_alone_gets_a_neighbour_when_a_similar_one_arrives
 
 def test_documents_first_met_in_a_request_switch_older_chunks_after_the_answer():
     engine = make_engine(chunk_context="prefix", exact_first_chunk=False)
-    engine.generate(prompt([A, X]), SamplingParams(max_tokens=1))  # stored after the answer
-    engine.generate(prompt([B, Y]), SamplingParams(max_tokens=1))  # B joins: A is re-encoded after it
+    generate(engine, prompt([A, X]), SamplingParams(max_tokens=1))  # stored after the answer
+    generate(engine, prompt([B, Y]), SamplingParams(max_tokens=1))  # B joins: A is re-encoded after it
     engine.store.flush()
     a = engine.plan(prompt([X, A]), "blend").chunks[1]
     assert engine.keys.lead_ids(A) == B + SEP and a.kv is not None and engine.neighbour_reencodes == 1

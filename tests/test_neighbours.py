@@ -8,6 +8,7 @@ from kvblend.blend.neighbours import NeighbourIndex
 from kvblend.engine.sampler import SamplingParams
 from kvblend.blend.segment import join_segments
 from kvblend.model.aliases import stale_key_scale_for
+from kvblend.engine.scheduler import generate
 
 A, B, C, D = [1, 2, 3, 4, 5], [1, 2, 3, 9, 9], [40, 41, 42, 43], [40, 41, 50, 51]
 
@@ -147,7 +148,7 @@ def test_chunks_first_met_in_a_request_join_the_collection_after_the_answer():
     cs = chunks(3, seed=7)
     cs[1] = cs[0][:12] + cs[1][12:]  # 0 and 1: each other's neighbour
     engine = make_engine(chunk_context="prefix", exact_first_chunk=False)
-    out = engine.generate(prompt(cs), SamplingParams(max_tokens=2))
+    out = generate(engine, prompt(cs), SamplingParams(max_tokens=2))
     assert out.metrics.chunk_tiers == ["miss"] * 3
     index = engine.keys.neighbours
     assert index is not None and len(index) == 3 and index.neighbour_of(cs[1]) == cs[0]

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from kvblend.blend.segment import (SeparatorInDocument, check_documents_kept_whole, find_separators, join_segments,
-                                   segment, separator_ids, tokenize_prompt)
+from kvblend.blend.segment import (SeparatorInDocument, check_documents_kept_whole, find_separators, join_prompt,
+                                   join_segments, segment, separator_ids, tokenize_prompt)
 
 SEP = [9, 9]
 
@@ -98,6 +100,14 @@ def test_join_then_segment_round_trip() -> None:
     assert [ids[a:b] for a, b in seg.chunks] == chunks
     assert ids[slice(*seg.suffix)] == suffix
     assert len(seg.separators) == len(chunks) + 1
+
+
+@given(st.lists(st.integers(10, 14), max_size=4), st.lists(st.lists(st.integers(10, 14), max_size=5), max_size=5),
+       st.lists(st.integers(10, 14), max_size=4))
+def test_a_joined_prompt_carries_the_segments_the_separator_gives(prefix, chunks, suffix) -> None:
+    built = join_prompt(prefix, chunks, suffix, SEP)
+    assert built.ids == join_segments(prefix, chunks, suffix, SEP)
+    assert built.seg == segment(built.ids, SEP)
 
 
 def test_join_then_segment_drops_empty_chunks_only() -> None:

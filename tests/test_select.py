@@ -76,11 +76,3 @@ def test_weighting_prefers_what_the_suffix_reads():
     assert n_selected(0.15, 1000) == 150 and n_selected(0.0, 1000) == 0
 
 
-def test_attention_power_zero_ranks_by_deviation_and_between_interpolates():
-    dev = torch.tensor([100.0, 4.0, 1.0, 0.0])
-    attention = torch.tensor([0.001, 0.5, 0.3, 0.199])
-    assert top_tokens(weighted(dev, attention, 0.0), 2).tolist() == [0, 1]  # ||delta||: 10, 2
-    assert torch.equal(weighted(dev, attention, 1.0), weighted(dev, attention))
-    # a^0.25 * ||delta||: 1.78, 1.68, 0.74: the deviation wins back token 0
-    assert top_tokens(weighted(dev, attention, 0.25), 2).tolist() == [0, 1]
-    assert top_tokens(weighted(dev, attention, 0.5), 2).tolist() == [1, 2]  # 0.32, 1.41, 0.55

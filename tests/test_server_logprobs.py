@@ -8,7 +8,7 @@ import torch
 from serving import MODEL_NAME, live_server, tiny_engine
 
 from kvblend.eval.harness import forced_logits, greedy
-from kvblend.server import prompts
+from kvblend.engine import prompts
 
 DOCS = ["Marrowick is a town on the Tesk river, known for its glass.",
         "The Tesk river flows north into the Grey Sea.",
@@ -113,10 +113,10 @@ def test_forced_logprobs_equal_the_in_process_teacher_forced_logits(server, mode
     ns = f"tf-{mode}"
     assert http(server).post("/v1/chunks", json={"documents": DOCS, "system": SYSTEM, "namespace": ns}).status_code == 200
     here = tiny_engine()  # the same weights, its own store
-    ids = prompts.completion_ids(here.tokenizer, here.settings.separator, here.sep_ids, QUESTION, DOCS, SYSTEM)
+    ids = prompts.completion_prompt(here.tokenizer, here.settings.separator, here.sep_ids, QUESTION, DOCS, SYSTEM).ids
     with here.namespace(ns):
-        here.index_collection([prompts.chunk_prompt_ids(here.tokenizer, here.sep_ids, DOCS, SYSTEM)])
-        here.precompute(prompts.chunk_prompt_ids(here.tokenizer, here.sep_ids, DOCS, SYSTEM))
+        here.index_collection([prompts.chunk_prompt(here.tokenizer, here.sep_ids, DOCS, SYSTEM).ids])
+        here.precompute(prompts.chunk_prompt(here.tokenizer, here.sep_ids, DOCS, SYSTEM).ids)
         _, full = here.prefill(ids, "full", 40)
         answer = greedy(here, full, len(ids), 8)
         expected, _ = forced_logits(here, ids, mode, None, answer, len(answer))

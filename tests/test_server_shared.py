@@ -8,7 +8,7 @@ import pytest
 from serving import MODEL_NAME, default_tokenizer, live_server, tiny_engine
 
 from kvblend.cli import _settings, build_parser
-from kvblend.server import prompts
+from kvblend.engine import prompts
 
 KEYS = ["sk-alice", "sk-bob"]
 DOCS = ["Marrowick is a town on the Tesk river.", "The Tesk river flows north into the Grey Sea.",
@@ -19,14 +19,14 @@ NEW = "Ollin is a village in the hills."
 def publish(kv, docs):
     """What `kvblend store put --namespace published` does with these documents."""
     engine = tiny_engine(local_disk=str(kv), local_cpu=False, namespace="published")
-    ids = prompts.chunk_prompt_ids(default_tokenizer(), engine.sep_ids, docs, None)
+    ids = prompts.chunk_prompt(default_tokenizer(), engine.sep_ids, docs, None).ids
     engine.index_collection([ids])
     engine.precompute(ids)
     engine.close()
 
 
 def chunk_key(engine, namespace, doc):
-    ids = prompts.chunk_prompt_ids(default_tokenizer(), engine.sep_ids, [doc], None)
+    ids = prompts.chunk_prompt(default_tokenizer(), engine.sep_ids, [doc], None).ids
     seg = engine.segments(ids)
     with engine.namespace(namespace):
         return engine.keys.chunk_key(ids[slice(*seg.chunks[0])], engine.keys.context_ids(ids, seg))

@@ -22,6 +22,7 @@ from kvblend.blend.segment import join_segments
 from kvblend.config import Settings
 from kvblend.engine.engine import Engine
 from kvblend.engine.sampler import SamplingParams
+from kvblend.engine.scheduler import generate
 from kvblend.store import redis_tier
 from kvblend.store.disk import tensor_ranges
 
@@ -154,16 +155,16 @@ def test_layerwise_off_loads_inline():
 
 def test_generate_reports_tiers_and_stores_misses_behind(tmp_path, monkeypatch):
     engine = make_engine(disk=tmp_path, memory=False)
-    first = engine.generate(ASKED, SamplingParams(max_tokens=2))
+    first = generate(engine, ASKED, SamplingParams(max_tokens=2))
     assert first.metrics.chunk_tiers == ["miss"] * 4
     engine.store.flush()
-    moved = engine.generate(STORED, SamplingParams(max_tokens=2))
+    moved = generate(engine, STORED, SamplingParams(max_tokens=2))
     assert moved.metrics.chunk_tiers == ["disk"] * 4 and moved.metrics.bad_entries == 0
     # Asked again, the prompt comes exact from the prefix cache: its chunks are not even looked up.
     chunk_keys = {c.key for c in engine.plan(STORED, "blend").chunks}
     looked_up, get = [], engine.store.get
     monkeypatch.setattr(engine.store, "get", lambda key, *a, **k: looked_up.append(key) or get(key, *a, **k))
-    again = engine.generate(ASKED, SamplingParams(max_tokens=2))
+    again = generate(engine, ASKED, SamplingParams(max_tokens=2))
     assert again.metrics.chunk_tiers == ["prefix"] * 4 and again.metrics.prefix_hit_tokens == len(ASKED) - 1
     assert looked_up and not chunk_keys & set(looked_up)
     assert again.token_ids == first.token_ids
@@ -267,7 +268,7 @@ def test_killing_redis_mid_run_loses_no_request(redis_server, monkeypatch):
     engine = stored_engine("redis", None, redis_server.url)
     _, full = engine.prefill(ASKED, "full")
     params = SamplingParams(max_tokens=3)
-    assert engine.generate(ASKED, params).metrics.chunk_tiers == ["redis"] * 4
+    assert generate(engine, ASKED, params).metrics.chunk_tiers == ["redis"] * 4
 
     read_layer = redis_tier.RedisEntry._read_layer
 
@@ -282,21 +283,21 @@ def test_killing_redis_mid_run_loses_no_request(redis_server, monkeypatch):
     assert out.stats.chunk_tiers == ["miss"] * 4
     torch.testing.assert_close(out.logits, full.logits, atol=1e-5, rtol=1e-5)
     monkeypatch.undo()
-    down = engine.generate(ASKED, params)  # Redis still down: served by recompute
+    down = generate(engine, ASKED, params)  # Redis still down: served by recompute
     assert down.metrics.chunk_tiers == ["miss"] * 4 and len(down.token_ids) == 3
 
     back = RedisServer(redis_server.port).start()  # back, empty (no persistence)
     try:
-        engine.generate(ASKED, params)  # misses, stored behind
+        generate(engine, ASKED, params)  # misses, stored behind
         engine.store.flush()
-        assert engine.generate(STORED, params).metrics.chunk_tiers == ["redis"] * 4  # moved: read
+        assert generate(engine, STORED, params).metrics.chunk_tiers == ["redis"] * 4  # moved: read
     finally:
         back.kill()
 
 
 def test_redis_down_at_start_serves_from_recompute():
     engine = make_engine(redis_url=RedisServer().url, memory=False)
-    out = engine.generate(ASKED, SamplingParams(max_tokens=2))
+    out = generate(engine, ASKED, SamplingParams(max_tokens=2))
     assert out.metrics.chunk_tiers == ["miss"] * 4 and len(out.token_ids) == 2
     engine.close()
 
@@ -322,11 +323,12 @@ import json, sys, torch
 sys.path.insert(0, {tests!r})
 from test_store_engine import ASKED, STORED, make_engine
 from kvblend.engine.sampler import SamplingParams
+from kvblend.engine.scheduler import generate
 engine = make_engine(redis_url={url!r})
 if sys.argv[1] == "first":
     engine.precompute(STORED)
 plan, out = engine.prefill(ASKED, "blend")
-done = engine.generate(ASKED, SamplingParams(max_tokens=5), store=False)
+done = generate(engine, ASKED, SamplingParams(max_tokens=5), store=False)
 engine.close()
 torch.save(out.logits, sys.argv[2] + ".pt")
 json.dump({{"tiers": out.stats.chunk_tiers, "tokens": done.token_ids}}, open(sys.argv[2] + ".json", "w"))

@@ -19,7 +19,6 @@ import torch
 
 from ..model.runner import KVCache, Rows, Runner
 from .loader import ChunkLoader
-from .key_shift import StaleKeyShift, spread_rows
 from .plan import Plan
 from .select import attend_with_mass, deviation, n_selected, top_tokens, weighted
 
@@ -64,21 +63,9 @@ class BlendConfig:
     # prompt a ratio leaves a few dozen tokens, and one stale token there can flip a near-tie in
     # the answer; from a few thousand tokens on the ratio's own budget is larger and this is moot.
     min_recompute_tokens: int = 0
-    # The selector's score is attention^attention_power x deviation: 1 weighs the deviation by the
-    # probe's attention, 0 ranks the check candidates (still the probe's top rows) by deviation
-    # alone. See docs/experiments.md#qwen25-05b-where-blends-error-comes-from.
-    attention_power: float = 1.0
     # The probe reads the compact copy of chunks stored with one (disk, Redis entries): on a slow
     # tier it then finishes early and the full KV streams in behind it for the blend pass.
     compact_probe: bool = False
-    # After the check, each chunk's stale keys move by this share of the shift its recomputed rows
-    # measure (their fresh keys minus their stored ones, before the rotation; 0: off). See
-    # blend/key_shift.py and docs/experiments.md#qwen25-05b-where-blends-error-comes-from.
-    stale_key_shift: float = 0.0
-    # With stale_key_shift: `shift_rows` evenly spaced rows of each reused chunk are computed to the
-    # end beside the selected ones, and they alone measure the chunk's shift (0: the selected rows
-    # measure it). The selected rows sit where the deviation is largest, a biased sample of the chunk.
-    shift_rows: int = 0
 
     def __post_init__(self):
         if self.check_candidates and self.check_candidates < 1:
@@ -89,16 +76,10 @@ class BlendConfig:
             raise ValueError(f"probe_attention_from must be in [0, 1), got {self.probe_attention_from}")
         if self.min_recompute_tokens < 0:
             raise ValueError(f"min_recompute_tokens must be >= 0, got {self.min_recompute_tokens}")
-        if self.attention_power < 0:
-            raise ValueError(f"attention_power must be >= 0, got {self.attention_power}")
         if self.probe_suffix_tokens < 0:
             raise ValueError(f"probe_suffix_tokens must be >= 0 (0: the whole suffix), got {self.probe_suffix_tokens}")
         if not 0 < self.stale_key_scale <= 1:
             raise ValueError(f"stale_key_scale must be in (0, 1], got {self.stale_key_scale}")
-        if not 0 <= self.stale_key_shift <= 1:
-            raise ValueError(f"stale_key_shift must be in [0, 1] (0: off), got {self.stale_key_shift}")
-        if self.shift_rows < 0:
-            raise ValueError(f"shift_rows must be >= 0, got {self.shift_rows}")
         if len(self.ratios) == 1 and len(self.check_layers) > 1:
             self.ratios = self.ratios * len(self.check_layers)
         if len(self.ratios) != len(self.check_layers):
@@ -143,14 +124,12 @@ class PrefillOutput:
 
 class Selector:
     """At each check layer, which of the active rows go on: every must-compute row, and the
-    reused rows with the highest scores, `ratio` of all reused rows. `fixed` reused rows (a mask)
-    always go on, beside that budget."""
+    reused rows with the highest scores, `ratio` of all reused rows."""
 
     def __init__(self, checks: dict[int, float], cfg: BlendConfig, reused: torch.Tensor,
-                 attention: torch.Tensor | None, fixed: torch.Tensor | None = None):
-        self.checks, self.attention = checks, attention
-        self.choosable = reused if fixed is None else reused & ~fixed
-        self.signal, self.check_layer_kv, self.power = cfg.deviation, cfg.check_layer_kv, cfg.attention_power
+                 attention: torch.Tensor | None):
+        self.checks, self.attention, self.reused = checks, attention, reused
+        self.signal, self.check_layer_kv = cfg.deviation, cfg.check_layer_kv
         self.n_reused, self.budget = int(reused.sum()), cfg.budget
 
     def keep(self, layer: int, active: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -158,13 +137,13 @@ class Selector:
         """A mask over the active rows, or None where `layer` is no check layer."""
         if layer not in self.checks:
             return None
-        cand = self.choosable[active]  # reused rows still active: the candidates
+        cand = self.reused[active]  # reused rows still active: the candidates
         cand_idx = cand.nonzero().squeeze(1)
         cand_pos = active[cand_idx]
         score = deviation(self.signal, k[:, cand_idx], cache.k[layer][:, cand_pos],
                           v[:, cand_idx], cache.v[layer][:, cand_pos])
         if self.attention is not None:
-            score = weighted(score, self.attention[cand_pos], self.power)
+            score = weighted(score, self.attention[cand_pos])
         keep = ~cand
         keep[cand_idx[top_tokens(score, self.budget(self.checks[layer], self.n_reused))]] = True
         return keep
@@ -218,10 +197,9 @@ class StaleBias:
 
 def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, active: torch.Tensor,
                stale: StaleBias, selector: Selector | None = None, watch: torch.Tensor | None = None,
-               n_layers: int | None = None, mass_from: int = 0, key_shift: StaleKeyShift | None = None) -> Pass:
+               n_layers: int | None = None, mass_from: int = 0) -> Pass:
     """Every layer over the active rows, the loader supplying each layer's cached KV first (once
-    per prefill); the selector narrows the rows at its check layers, after which `key_shift`
-    corrects the stale keys by what the recomputed rows measure. `watch` (a mask over the
+    per prefill); the selector narrows the rows at its check layers. `watch` (a mask over the
     rows; no selector) sums the attention those rows pay each position, over the layers from
     `mass_from` on (the last layer always counts). A pass may stop early, after `n_layers` layers."""
     T = cache.length
@@ -233,15 +211,12 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
         head = Rows(rows.h[:0], active[:n_head], {})  # its query groups, built once for every layer
     computed = 0
     depth = runner.n_layers if n_layers is None else n_layers
-    stale_rows = None  # after a check: the reused positions it left stale
     for layer in range(depth):
         loader.load_layer(layer)
         q, k, v = runner.qkv(layer, rows)
         keep = selector.keep(layer, active, k, v, cache) if selector is not None else None
         written = active  # rows not written at this layer hold loaded (stale) chunk KV, or none
         if keep is None:
-            if stale_rows is not None:
-                key_shift.apply(layer, cache, active, k, stale_rows)
             cache.write(layer, active, k, v)
         else:
             if selector.check_layer_kv == "fresh":
@@ -251,10 +226,6 @@ def run_layers(runner: Runner, cache: KVCache, loader: ChunkLoader, rows: Rows, 
             if selector.check_layer_kv == "cached":
                 cache.write(layer, active, k, v)
                 written = active
-            if key_shift is not None:
-                left = stale.reused.clone()
-                left[active] = False
-                stale_rows = left.nonzero().squeeze(1)
         computed += active.numel()
         stale.set(layer, written)
         last = layer == depth - 1
@@ -354,22 +325,13 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
                                mass_from=min(round(cfg.probe_attention_from * L), probe_depth - 1))
             computed, attention = probe.computed, probe.attention
             stale.hide(None)
-        shift, fixed = None, None
-        if checks and cfg.stale_key_shift:
-            chunk_of = plan.chunk_index().to(dev)
-            if cfg.shift_rows:
-                fixed = torch.zeros_like(reused)
-                fixed[spread_rows(chunk_of, cfg.shift_rows)] = True
-            shift = StaleKeyShift(runner, cfg.stale_key_shift, chunk_of, measure=fixed)
-        selector = Selector(checks, cfg, reused, attention, fixed) if checks else None
+        selector = Selector(checks, cfg, reused, attention) if checks else None
         if attention is not None and cfg.check_candidates:
-            blend_must = must if fixed is None else torch.cat([must, fixed.nonzero().squeeze(1)])
-            active = candidates(attention, selector.choosable, blend_must,
-                                cfg.budget(checks[min(checks)], selector.n_reused), cfg.check_candidates)
+            active = candidates(attention, reused, must, cfg.budget(checks[min(checks)], selector.n_reused),
+                                cfg.check_candidates)
             stale.exact_below = 1  # layer 0's loaded KV is exact for the rows not computed there
         stats.checked_positions = active.tolist()
-        out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, stale, selector,
-                         key_shift=shift)
+        out = run_layers(runner, cache, loader, runner.rows(ids[active], active), active, stale, selector)
     finally:
         loader.close()
     active = out.active

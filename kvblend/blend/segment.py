@@ -30,6 +30,15 @@ class Segments:
         return self.separators[0][1] if self.separators else self.n_tokens
 
 
+@dataclass(frozen=True)
+class Prompt:
+    """A prompt's token ids and, when it was built from documents, its segments as built: then
+    nothing has to find the separators in it again. None: a raw prompt, split where it is used."""
+
+    ids: list[int]
+    seg: Segments | None = None
+
+
 def separator_ids(tokenizer, separator: str) -> list[int]:
     ids = tokenizer.encode(separator, add_special_tokens=False)
     if not ids:
@@ -69,10 +78,24 @@ class SeparatorInDocument(ValueError):
 def join_segments(prefix: Sequence[int], chunks: Sequence[Sequence[int]], suffix: Sequence[int],
                   sep: Sequence[int]) -> list[int]:
     """prefix SEP c1 SEP c2 ... SEP cn SEP suffix, from token ids."""
-    ids = list(prefix)
+    return join_prompt(prefix, chunks, suffix, sep).ids
+
+
+def join_prompt(prefix: Sequence[int], chunks: Sequence[Sequence[int]], suffix: Sequence[int],
+                sep: Sequence[int]) -> Prompt:
+    """prefix SEP c1 SEP c2 ... SEP cn SEP suffix with its segments, as `segment` finds them where
+    no chunk holds the separator (empty chunks carry nothing to reuse: left out)."""
+    ids, m = list(prefix), len(sep)
+    seps, spans = [], []
     for chunk in chunks:
-        ids += list(sep) + list(chunk)
-    return ids + list(sep) + list(suffix)
+        seps.append((len(ids), len(ids) + m))
+        ids += list(sep)
+        if chunk:
+            spans.append((len(ids), len(ids) + len(chunk)))
+        ids += list(chunk)
+    seps.append((len(ids), len(ids) + m))
+    ids += list(sep) + list(suffix)
+    return Prompt(ids, Segments(len(ids), (0, len(prefix)), spans, seps, (seps[-1][1], len(ids))))
 
 
 def check_documents_kept_whole(ids: Sequence[int], prefix: Sequence[int], docs: Sequence[Sequence[int]],
@@ -111,6 +134,11 @@ def docs_mark() -> str:
 
 def rag_prompt_ids(tokenizer, sep: Sequence[int], system: str, question: str,
                    documents: Sequence[str]) -> list[int]:
+    """The token ids of rag_prompt."""
+    return rag_prompt(tokenizer, sep, system, question, documents).ids
+
+
+def rag_prompt(tokenizer, sep: Sequence[int], system: str, question: str, documents: Sequence[str]) -> Prompt:
     """prefix SEP doc_1 SEP ... SEP doc_n SEP question, through the chat template when the
     tokenizer has one (system message, then the documents and the question as the user turn).
     Each document is tokenized alone, so its ids, and so its cache key, are the same in every
@@ -126,6 +154,6 @@ def rag_prompt_ids(tokenizer, sep: Sequence[int], system: str, question: str,
     head, tail = text.split(mark)
     docs = [tokenizer.encode(d, add_special_tokens=False) for d in documents]
     prefix = tokenizer.encode(head, add_special_tokens=head_specials)
-    ids = join_segments(prefix, docs, tokenizer.encode(tail, add_special_tokens=False), sep)
-    check_documents_kept_whole(ids, prefix, docs, sep)
-    return ids
+    built = join_prompt(prefix, docs, tokenizer.encode(tail, add_special_tokens=False), sep)
+    check_documents_kept_whole(built.ids, prefix, docs, sep)
+    return built

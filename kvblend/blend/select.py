@@ -21,13 +21,10 @@ def deviation(signal: str, fresh_k: torch.Tensor, cached_k: torch.Tensor, fresh_
     return dev
 
 
-def weighted(dev: torch.Tensor, attention: torch.Tensor, power: float = 1.0) -> torch.Tensor:
+def weighted(dev: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
     """The error a stale token leaves in the attention output is about its attention weight times
-    its KV deviation: score = a^power * ||delta|| (dev is the squared distance). power 0 ranks
-    by the deviation alone."""
-    if power == 0:
-        return dev.sqrt()
-    return attention.to(dev.device).pow(power) * dev.sqrt()
+    its KV deviation: score = a * ||delta|| (dev is the squared distance)."""
+    return attention.to(dev.device) * dev.sqrt()
 
 
 def attention_mass(q: torch.Tensor, k: torch.Tensor, q_pos: torch.Tensor, scale: float,

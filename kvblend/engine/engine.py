@@ -1,13 +1,13 @@
-"""The engine: one request from token ids to generated tokens.
+"""The engine: one request's prompt, from token ids to its KV and first logits.
 
-plan (prefix cache, chunk store) -> prefill in the request's mode -> decode -> store what missed.
+plan (prefix cache, chunk store) -> prefill in the request's mode -> store what missed. The engine
+loop (scheduler.py) drives it and decodes.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
-import time
 import warnings
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
@@ -30,11 +30,10 @@ from ..model.rotary import check_rerotation
 from ..model.runner import Runner
 from ..store.chunk_kv import ChunkKV
 from ..store.entry_format import BadEntry, EntrySpec, dtype_name
-from ..store.index_store import build_index_store
 from ..store.half import halve
+from ..store.index_store import build_index_store
 from ..store.int8 import quantize
 from ..store.tiered import build_store
-from .sampler import Sampler, SamplingParams
 
 log = logging.getLogger(__name__)
 GIB = 1 << 30
@@ -74,14 +73,6 @@ class RequestMetrics:
                    controller=stats.controller)
 
 
-@dataclass
-class Completion:
-    token_ids: list[int]
-    text: str
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
-    metrics: RequestMetrics
-
-
 class Engine:
     def __init__(self, model: LoadedModel, settings: Settings | None = None, sep_ids: list[int] | None = None):
         self.settings = s = settings or Settings()
@@ -95,8 +86,7 @@ class Engine:
                                      s.weight_by_attention, self._stale_key_scale(neighbours=False),
                                      s.probe_layers, s.check_candidates, s.probe_separators,
                                      s.probe_attention_from, s.probe_suffix_tokens, s.min_recompute_tokens,
-                                     s.attention_power, s.probe_reads_copies(), s.stale_key_shift,
-                                     s.shift_rows)
+                                     s.probe_reads_copies())
         bos = getattr(self.tokenizer, "bos_token_id", None)
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
         # Models without a tokenizer (tests' tiny random models) name their separator ids.
@@ -165,7 +155,11 @@ class Engine:
     def namespace(self, name: str):
         """Chunk and prefix keys, and the neighbour index, of namespace `name` for the calls inside,
         so that tenants never share cached KV or each other's chunks as context. The engine is used
-        by one thread at a time, so swapping is safe."""
+        by one thread at a time, so swapping is safe. The current namespace is kept as it is: what
+        the calls inside learn of it (a new neighbour index) stays for the calls after."""
+        if name == self.keys.namespace:
+            yield
+            return
         saved = self.keys, self.blend_cfg
         self.keys = copy.copy(self.keys)  # cheap: a few fields (no cache per namespace to grow unbounded)
         self.keys.namespace = name
@@ -175,14 +169,15 @@ class Engine:
         finally:
             self.keys, self.blend_cfg = saved
 
-    def index_collection(self, prompts: list[list[int]]) -> int:
-        """Add the chunks of these prompts (token ids) to the current namespace's neighbour index,
-        kept where the store keeps its entries; returns how many chunks were new. Older chunks
-        they are much closer to switch to them once reencode_neighbours has stored their KV. A
-        no-op when neighbour_context is off."""
+    def index_collection(self, prompts: list[list[int]], segs: list[Segments | None] | None = None) -> int:
+        """Add the chunks of these prompts (token ids; `segs`: their segments where known) to the
+        current namespace's neighbour index, kept where the store keeps its entries; returns how
+        many chunks were new. Older chunks they are much closer to switch to them once
+        reencode_neighbours has stored their KV. A no-op when neighbour_context is off."""
         if self.indexes is None:
             return 0
-        chunks = [ids[a:b] for ids in prompts for a, b in self.segments(ids).chunks]
+        segs = segs or [None] * len(prompts)
+        chunks = [ids[a:b] for ids, seg in zip(prompts, segs) for a, b in (seg or self.segments(ids)).chunks]
         new, index = self.indexes.add(self.keys.namespace, chunks)
         self.use_neighbours(index)
         return new
@@ -213,22 +208,25 @@ class Engine:
     def segments(self, token_ids: list[int]) -> Segments:
         return segment(token_ids, self.sep_ids)
 
-    def plan(self, token_ids: list[int], mode: str, store=None) -> Plan:
+    def plan(self, token_ids: list[int], mode: str, store=None, seg: Segments | None = None) -> Plan:
+        """What to read and what to compute; `seg`: the prompt's segments where they are known (a
+        prompt built from documents), else found by the separator."""
         if self.keys.namespace in self._switched:  # chunks switched neighbours: look them up by the new keys
             self._switched.discard(self.keys.namespace)
             self._bind(self.keys)
-        return make_plan(token_ids, self.segments(token_ids), self.keys, self.store if store is None else store,
+        seg = seg or self.segments(token_ids)
+        return make_plan(token_ids, seg, self.keys, self.store if store is None else store,
                          use_prefix=mode != "full", use_chunks=mode in ("reuse", "blend"))
 
     def prefill(self, token_ids: list[int], mode: str, extra_capacity: int = 0,
-                blend_cfg: BlendConfig | None = None) -> tuple[Plan, PrefillOutput]:
+                blend_cfg: BlendConfig | None = None, seg: Segments | None = None) -> tuple[Plan, PrefillOutput]:
         """Plan and prefill. A stored entry found bad while it is read (corrupt, truncated,
         foreign, or its tier gone) is discarded and the request planned again without it, so
         the answer is what recomputing gives, never one made from wrong KV."""
         bad, bad_before = 0, self.store.bad_entries()
         while True:
             store = self.store if bad < MAX_BAD_ENTRIES else _NoStore()
-            plan = self.plan(token_ids, mode, store)
+            plan = self.plan(token_ids, mode, store, seg)
             cfg, decision = blend_cfg or self.blend_cfg, None
             if self.controller is not None and mode == "blend":
                 cfg, decision = self.controller.decide(plan, cfg)
@@ -418,50 +416,6 @@ class Engine:
         self.neighbour_reencodes += switched
         if switched:
             self._switched.add(ns)
-
-    # ---- generation ------------------------------------------------------------------------
-
-    @torch.inference_mode()
-    def generate(self, token_ids: list[int], params: SamplingParams, mode: str | None = None,
-                 store: bool = True) -> Completion:
-        self.check_ids(token_ids, params.max_tokens)
-        mode = self.effective_mode(mode)
-        t0 = time.perf_counter()
-        plan, out = self.prefill(token_ids, mode, extra_capacity=params.max_tokens)
-        sampler = Sampler(params)
-        tokens = [sampler(out.logits)]
-        ttft = time.perf_counter() - t0
-        metrics = RequestMetrics.from_prefill(mode, len(token_ids), out.stats)
-        metrics.ttft_s = ttft
-        text, finish = self._decode(tokens, out, params, sampler, len(token_ids))
-        metrics.decode_tokens = len(tokens)
-        decode_s = time.perf_counter() - t0 - ttft
-        metrics.decode_tokens_per_s = (len(tokens) - 1) / decode_s if decode_s > 0 and len(tokens) > 1 else 0.0
-        if store:
-            self.store_after(token_ids, plan, out, mode)
-        return Completion(tokens, text, finish, metrics)
-
-    def _decode(self, tokens: list[int], out: PrefillOutput, params: SamplingParams, sampler: Sampler,
-                pos: int) -> tuple[str, str]:
-        """Decode after the first token until EOS, a stop string or max_tokens; edits `tokens`."""
-        while True:
-            if not params.ignore_eos and tokens[-1] in self.eos_ids:
-                return self._text(tokens[:-1]), "stop"
-            if params.stop:  # decoding the text each step only when a stop string can end it
-                text = self._text(tokens)
-                cut = min((text.find(s) for s in params.stop if s in text), default=-1)
-                if cut >= 0:
-                    return text[:cut], "stop"
-            if len(tokens) >= params.max_tokens:
-                return self._text(tokens), "length"
-            logits = self.runner.forward(torch.tensor(tokens[-1:]), torch.tensor([pos]), out.cache)
-            pos += 1
-            tokens.append(sampler(logits[0]))
-
-    def _text(self, tokens: list[int]) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
 
 class _NoStore:

@@ -167,8 +167,7 @@ def summarize(engine: Engine, lengths: list[int], vs: list[Variant], per: dict) 
                 weight_by_attention=s.weight_by_attention, stale_key_scale=engine.blend_cfg.stale_key_scale,
                 probe_layers=s.probe_layers, check_candidates=s.check_candidates,
                 probe_separators=s.probe_separators, probe_attention_from=s.probe_attention_from,
-                probe_suffix_tokens=s.probe_suffix_tokens, attention_power=s.attention_power,
-                stale_key_shift=engine.blend_cfg.stale_key_shift, shift_rows=engine.blend_cfg.shift_rows,
+                probe_suffix_tokens=s.probe_suffix_tokens,
                 mean_prompt_tokens=round(statistics.mean(lengths)), threads=torch.get_num_threads())
     per_prompt = {v.label: [{k: r[k] for k in ("ttft_s", "kl_answer", "top1_agree", "recompute_frac")} for r in per[v]]
                   for v in vs}

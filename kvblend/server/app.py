@@ -14,12 +14,13 @@ from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException
 
 from ..engine.engine import Engine
-from . import access_log, prompts, routes_chunks, routes_generate, routes_info
+from ..engine.prompts import PromptError, has_chat_template
+from ..engine.scheduler import Scheduler
+from . import access_log, routes_chunks, routes_generate, routes_info
 from .context import Server, ServerConfig
-from .errors import APIError, internal
+from .errors import APIError, bad_request, internal
 from .http_input import validation_error
 from .metrics import MetricsMiddleware, ServerMetrics
-from .scheduler import Scheduler
 
 __all__ = ["ServerConfig", "create_app"]
 log = logging.getLogger(__name__)
@@ -33,7 +34,7 @@ def create_app(engine: Engine, config: ServerConfig) -> FastAPI:
                   lambda: engine.store.used_bytes, lambda: len(engine.store))
     metrics.watch_store(engine.store.stats)
     metrics.watch_engine(lambda: engine.neighbour_reencodes)
-    if engine.tokenizer is not None and not prompts.has_chat_template(engine.tokenizer):
+    if engine.tokenizer is not None and not has_chat_template(engine.tokenizer):
         log.warning("the tokenizer has no chat template: chat requests use kvblend's plain role-header template")
 
     async def catch_up():
@@ -67,6 +68,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_req, e: APIError):
         return e.response()
+
+    @app.exception_handler(PromptError)
+    async def _prompt_error(_req, e: PromptError):
+        return bad_request(str(e), e.param).response()
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_req, e: RequestValidationError):

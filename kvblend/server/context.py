@@ -13,12 +13,14 @@ from dataclasses import dataclass, field
 from fastapi import Request as HTTPRequest
 from pydantic import BaseModel, ValidationError
 
+from ..blend.segment import Prompt
 from ..engine.engine import Engine, RequestError
 from ..engine.sampler import SamplingParams
+from ..engine.requests import Request
+from ..engine.scheduler import Scheduler
 from .errors import bad_request, not_found, overloaded, unauthorized
 from .http_input import read_json, validation_error
 from .metrics import ServerMetrics
-from .scheduler import Request, Scheduler
 from .schemas import Sampling
 
 
@@ -91,9 +93,9 @@ class Server:
             raise bad_request(f"{len(documents)} documents; at most {self.config.max_documents} per request",
                               "documents")
 
-    def generation(self, body: Sampling, ids: list[int], max_tokens: int | None, default_max: int,
+    def generation(self, body: Sampling, prompt: Prompt, max_tokens: int | None, default_max: int,
                    ns: str) -> Request:
-        engine, limit = self.engine, self.config.max_tokens
+        engine, limit, ids = self.engine, self.config.max_tokens, prompt.ids
         forced = body.kvblend.forced_tokens if body.kvblend else None
         if forced is not None:
             max_tokens = self.forced_count(forced, max_tokens, body)
@@ -114,8 +116,8 @@ class Server:
         params = SamplingParams(max_tokens=max_tokens, temperature=body.temperature, top_p=body.top_p,
                                 seed=body.seed, stop=list(body.stop or []),
                                 ignore_eos=body.ignore_eos or forced is not None)
-        return Request(ids, params, mode, ns, blend_cfg, forced=forced,
-                       top_logprobs=body.top_logprobs_wanted()).bind()
+        return Request(ids, params, mode, ns, blend_cfg, forced=forced, top_logprobs=body.top_logprobs_wanted(),
+                       seg=prompt.seg).bind()
 
     def forced_count(self, forced: list[int], max_tokens: int | None, body: Sampling) -> int:
         """Forced tokens are the whole continuation: max_tokens is their count."""

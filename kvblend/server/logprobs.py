@@ -9,7 +9,7 @@ counts characters from the start of the completion, not of the prompt (echo is n
 
 from __future__ import annotations
 
-from .token_picker import Token
+from ..engine.token_picker import Token
 
 # OpenAI's value for a token too unlikely to have a finite logprob; JSON has no -Infinity.
 FLOOR = -9999.0
@@ -19,11 +19,11 @@ class Logprobs:
     def __init__(self, kind: str, tokenizer, as_ids: bool):
         self.chat = kind != "text_completion"
         self.tokenizer, self.as_ids = tokenizer, as_ids
-        self.pending: list[tuple[Token, int]] = []  # (token, text offset) not handed out yet
+        self.pending: list[Token] = []  # not handed out yet
         self._names: dict[int, str] = {}
 
-    def add(self, token: Token, offset: int) -> None:
-        self.pending.append((token, offset))
+    def add(self, token: Token) -> None:
+        self.pending.append(token)
 
     def take(self) -> dict | None:
         """The tokens added since the last take, in the endpoint's shape; None when there are none."""
@@ -32,14 +32,14 @@ class Logprobs:
         tokens, self.pending = self.pending, []
         if self.chat:
             return {"content": [{**self._entry(t.id, t.logprob), "top_logprobs": [self._entry(i, lp) for i, lp in t.top]}
-                                for t, _ in tokens], "refusal": None}
+                                for t in tokens], "refusal": None}
         tops = []
-        for t, _ in tokens:
+        for t in tokens:
             top = {self.name(i): _finite(lp) for i, lp in t.top}
             top.setdefault(self.name(t.id), _finite(t.logprob))  # OpenAI: the sampled token is always listed
             tops.append(top)
-        return {"tokens": [self.name(t.id) for t, _ in tokens], "token_logprobs": [_finite(t.logprob) for t, _ in tokens],
-                "top_logprobs": tops, "text_offset": [offset for _, offset in tokens]}
+        return {"tokens": [self.name(t.id) for t in tokens], "token_logprobs": [_finite(t.logprob) for t in tokens],
+                "top_logprobs": tops, "text_offset": [t.offset for t in tokens]}
 
     def name(self, token_id: int) -> str:
         name = self._names.get(token_id)

@@ -28,7 +28,7 @@ class ServerMetrics:
         self.generated = Counter("kvblend_tokens_generated", "tokens generated", registry=r)
         self.chunk_hits = Counter("kvblend_chunk_hits", "chunks found in the store", registry=r)
         self.chunk_misses = Counter("kvblend_chunk_misses", "chunks not found in the store", registry=r)
-        self.cancelled = Counter("kvblend_requests_cancelled", "requests ended early: the client went away, or a stop string ended them", registry=r)
+        self.cancelled = Counter("kvblend_requests_cancelled", "requests whose client went away before the end", registry=r)
         self.queue_depth = Gauge("kvblend_queue_depth", "requests waiting for the engine", registry=r)
         self.running = Gauge("kvblend_running_requests", "requests past the queue (prefilling or decoding)", registry=r)
         self.kv_bytes = Gauge("kvblend_kv_bytes", "bytes of KV cache held by running requests", registry=r)
@@ -56,6 +56,12 @@ class ServerMetrics:
         self.chunk_hits.inc(m.chunk_hits)
         self.chunk_misses.inc(m.chunk_misses)
         self.bad_entries.inc(m.bad_entries)
+
+    def count_cancelled(self) -> None:
+        self.cancelled.inc()
+
+    def count_generated(self, n: int) -> None:
+        self.generated.inc(n)
 
     def watch_store(self, stats: Callable[[], dict[str, dict]]) -> None:
         """The store's own counters per tier (hits, misses, bad entries, write errors, ...), read at

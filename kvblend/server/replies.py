@@ -10,9 +10,9 @@ import uuid
 
 from .errors import APIError
 from .logprobs import Logprobs
+from ..engine.requests import Done, Failed, Prefilled, Request
+from ..engine.token_picker import Token
 from .metrics import ServerMetrics
-from .scheduler import Done, Failed, Prefilled, Request, Token
-from .text_stream import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -20,10 +20,10 @@ log = logging.getLogger(__name__)
 class Reply:
     """One request's answer, as a JSON body or as server-sent events in OpenAI's chunk format."""
 
-    def __init__(self, req: Request, text: TextStream, kind: str, model: str, metrics: ServerMetrics,
+    def __init__(self, req: Request, tokenizer, kind: str, model: str, metrics: ServerMetrics,
                  tokens_as_ids: bool = False):
-        self.req, self.text, self.kind, self.model, self.metrics = req, text, kind, model, metrics
-        self.logprobs = Logprobs(kind, text.tokenizer, tokens_as_ids) if req.top_logprobs is not None else None
+        self.req, self.kind, self.model, self.metrics = req, kind, model, metrics
+        self.logprobs = Logprobs(kind, tokenizer, tokens_as_ids) if req.top_logprobs is not None else None
         self.id = ("cmpl-" if kind == "text_completion" else "chatcmpl-") + uuid.uuid4().hex[:24]
         self.created = int(time.time())
         self.prompt_metrics = None
@@ -38,20 +38,14 @@ class Reply:
                 self.prompt_metrics = event.metrics
             elif isinstance(event, Token):
                 self.n_tokens += 1
-                if self.logprobs is not None:  # its text starts where the text so far ends
-                    self.logprobs.add(event, len(self.text.text))
-                piece = self.text.push(event.id)
-                if piece:
-                    yield "text", piece
-                if self.text.stopped:
-                    self.req.cancel()  # a stop string ended it: the engine drops it next step
-                    yield "finish", "stop"
-                    return
+                if self.logprobs is not None:
+                    self.logprobs.add(event)
+                if event.text:
+                    yield "text", event.text
             elif isinstance(event, Done):
                 self.prompt_metrics, self.n_tokens = event.metrics, event.metrics.decode_tokens
-                tail = self.text.flush()
-                if tail:
-                    yield "text", tail
+                if event.text:
+                    yield "text", event.text
                 yield "finish", event.finish_reason
                 return
             else:

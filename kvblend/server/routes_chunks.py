@@ -10,7 +10,7 @@ import time
 from fastapi import APIRouter, Depends, Query, Request as HTTPRequest
 
 from ..engine.engine import Engine, RequestError
-from . import prompts
+from ..engine.prompts import chunk_prompt
 from .context import Server, server, tenant
 from .errors import bad_request, not_found, overloaded
 from .schemas import NAMESPACE_PATTERN, ChunksRequest
@@ -27,12 +27,12 @@ async def store_chunks(request: HTTPRequest, base: str = Depends(tenant), s: Ser
     body = await s.body_of(request, ChunksRequest)
     s.check_documents(body.documents)
     engine, scheduler = s.engine, s.scheduler
-    ids = prompts.chunk_prompt_ids(s.tokenizer, engine.sep_ids, body.documents, body.system)
+    built = chunk_prompt(s.tokenizer, engine.sep_ids, body.documents, body.system)
+    ids, seg = built.ids, built.seg
     try:
         engine.check_ids(ids)
     except RequestError as e:
         raise bad_request(str(e), "documents") from None
-    seg = engine.segments(ids)
     if len(seg.chunks) != len(body.documents):  # separators inside documents were refused above
         raise bad_request("a document holds no tokens: each must hold text", "documents")
     ns = s.namespace(base, body.namespace)
@@ -40,7 +40,7 @@ async def store_chunks(request: HTTPRequest, base: str = Depends(tenant), s: Ser
     def precompute(eng: Engine):
         # The documents join the namespace's collection: each is precomputed after its most
         # similar chunk of this namespace (never another's), found again by every replica.
-        eng.index_collection([ids])
+        eng.index_collection([ids], [seg])
         stored = eng.precompute(ids, seg)
         context = eng.keys.context_ids(ids, seg)
         return stored, [(eng.keys.chunk_key(ids[a:b], context), b - a) for a, b in seg.chunks]
@@ -49,7 +49,7 @@ async def store_chunks(request: HTTPRequest, base: str = Depends(tenant), s: Ser
         future = scheduler.run_job(scheduler.namespaced(ns, precompute))
     except queue.Full:
         raise overloaded(s.config.max_queue) from None
-    scheduler.reencode_neighbours(ns, ids)  # older chunks these documents are much closer to
+    scheduler.reencode_neighbours(ns, ids, seg)  # older chunks these documents are much closer to
     stored, keys = await asyncio.wrap_future(future)
     # Answer once the chunks are written behind too, so another replica on the same Redis hits them.
     if not await asyncio.to_thread(engine.store.wait_written, [k for k, _ in keys], SHARED_WRITE_TIMEOUT_S):

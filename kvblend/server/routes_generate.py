@@ -8,13 +8,12 @@ import asyncio
 from fastapi import APIRouter, Depends, Request as HTTPRequest
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from . import prompts
+from ..engine.prompts import chat_prompt, completion_prompt
 from .context import Server, server, tenant
 from .http_input import wait_disconnect
 from .replies import Reply
-from .scheduler import Request
+from ..engine.requests import Request
 from .schemas import ChatRequest, CompletionRequest, Sampling
-from .text_stream import TextStream
 
 router = APIRouter()
 
@@ -22,9 +21,9 @@ router = APIRouter()
 @router.post("/v1/completions")
 async def completions(request: HTTPRequest, base: str = Depends(tenant), s: Server = Depends(server)):
     body = await s.generation_body(request, CompletionRequest)
-    ids = prompts.completion_ids(s.tokenizer, s.engine.settings.separator, s.engine.sep_ids, body.prompt,
-                                 body.documents, body.system)
-    req = s.generation(body, ids, body.max_tokens, s.config.completion_max_tokens, s.namespace(base, body.namespace))
+    prompt = completion_prompt(s.tokenizer, s.engine.settings.separator, s.engine.sep_ids, body.prompt,
+                               body.documents, body.system)
+    req = s.generation(body, prompt, body.max_tokens, s.config.completion_max_tokens, s.namespace(base, body.namespace))
     return await respond(s, request, req, body, "text_completion")
 
 
@@ -32,17 +31,16 @@ async def completions(request: HTTPRequest, base: str = Depends(tenant), s: Serv
 async def chat_completions(request: HTTPRequest, base: str = Depends(tenant), s: Server = Depends(server)):
     body = await s.generation_body(request, ChatRequest)
     messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-    ids = prompts.chat_ids(s.tokenizer, s.engine.settings.separator, s.engine.sep_ids, messages, body.documents,
-                           body.system)
-    req = s.generation(body, ids, body.max_completion_tokens or body.max_tokens, s.config.max_tokens,
+    prompt = chat_prompt(s.tokenizer, s.engine.settings.separator, s.engine.sep_ids, messages, body.documents,
+                         body.system)
+    req = s.generation(body, prompt, body.max_completion_tokens or body.max_tokens, s.config.max_tokens,
                        s.namespace(base, body.namespace))
     return await respond(s, request, req, body, "chat.completion")
 
 
 async def respond(s: Server, request: HTTPRequest, req: Request, body: Sampling, kind: str):
     s.submit(req)
-    stream = Reply(req, TextStream(s.tokenizer, req.params.stop), kind, s.config.model_name, s.metrics,
-                   tokens_as_ids=body.return_tokens_as_token_ids)
+    stream = Reply(req, s.tokenizer, kind, s.config.model_name, s.metrics, tokens_as_ids=body.return_tokens_as_token_ids)
     if body.stream:
         return StreamingResponse(stream.sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -7,7 +7,7 @@ from importlib import resources
 from fastapi import APIRouter, Depends
 from fastapi.responses import HTMLResponse, Response
 
-from . import prompts
+from ..engine.prompts import has_chat_template
 from .context import Server, server, tenant
 
 router = APIRouter()
@@ -35,7 +35,7 @@ async def health(s: Server = Depends(server)):
     return {"status": "ok", "model": s.config.model_name, "queue_depth": scheduler.queue_depth,
             "running": scheduler.active, "kv_bytes": scheduler.kv_bytes,
             "store_bytes": engine.store.used_bytes, "store_entries": len(engine.store),
-            "chat_template": "model" if prompts.has_chat_template(s.tokenizer) else "fallback",
+            "chat_template": "model" if has_chat_template(s.tokenizer) else "fallback",
             "blend_available": engine.rerotation_ok}
 
 

@@ -1,5 +1,6 @@
-"""The engine loop: one thread owns the engine and the model; HTTP handlers only put requests in
-and read token ids out.
+"""The engine loop, the one way prompts are answered. LLM.generate runs it in the caller's thread
+until its prompts are done (`run`); the server runs it in a thread of its own (`start`), and its
+handlers only put requests in and read events out.
 
 Each step admits at most one waiting request (its prefill, or a job such as precomputing chunks),
 then runs one decode step for every running request as one batch (Runner.decode: shared
@@ -9,13 +10,15 @@ plan runs in one step: it is short, which is the point). A stream's tokens do no
 else is running. A teacher-forced continuation (kvblend.forced_tokens) is computed in one pass
 right after its prefill and never joins the decode batch.
 
-Requests wait in a bounded queue (full: the handler answers 429). A cancelled request (its client
-went away, or a stop string ended it) leaves the batch at the next step and its KV is freed.
+Each sequence's text is decoded here as its tokens come (TextStream), so a stop string ends a
+sequence in the same way whoever asked, and a token event carries the text that is safe to show.
+
+Requests wait in a queue (the server bounds it: full, the handler answers 429). A cancelled request
+(its client went away) leaves the batch at the next step and its KV is freed.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import queue
 import threading
@@ -26,79 +29,20 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..blend.fusor import BlendConfig
-from ..engine.engine import Engine, RequestError, RequestMetrics
-from ..engine.sampler import SamplingParams
+from ..blend.segment import Segments
 from ..model.runner import KEY_BLOCK, KVCache
-from .metrics import ServerMetrics
+from .engine import Engine, RequestError, RequestMetrics
+from .requests import Collected, Completion, Done, Failed, Job, LoopMetrics, Prefilled, Request
+from .sampler import SamplingParams
+from .text_stream import TextStream
 from .token_picker import Token, TokenPicker
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
-class Prefilled:
-    metrics: RequestMetrics  # the prompt's: TTFT, tokens reused and recomputed, chunk hits
-
-
-@dataclass
-class Done:
-    finish_reason: str  # "stop" (EOS) or "length"
-    metrics: RequestMetrics
-
-
-@dataclass
-class Failed:
-    status: int
-    message: str
-
-
-@dataclass
-class Request:
-    """What a handler submits; events come back on `events`: Prefilled, Token..., then Done; or Failed."""
-
-    token_ids: list[int]
-    params: SamplingParams
-    mode: str
-    namespace: str
-    blend_cfg: BlendConfig | None = None
-    forced: list[int] | None = None  # teacher forcing: these are the tokens, not sampled ones
-    top_logprobs: int | None = None  # logprobs with this many most likely tokens; None: none
-    arrival: float = field(default_factory=time.perf_counter)
-    admitted: float | None = None  # when the engine loop took it from the queue
-    loop: asyncio.AbstractEventLoop | None = None
-    events: asyncio.Queue | None = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-
-    def bind(self) -> "Request":
-        """Attach to the calling coroutine's event loop (events are delivered there)."""
-        self.loop, self.events = asyncio.get_running_loop(), asyncio.Queue()
-        return self
-
-    def cancel(self) -> None:
-        self.cancelled.set()
-
-    def picker(self) -> TokenPicker:
-        return TokenPicker(self.params, self.forced, self.top_logprobs)
-
-    def emit(self, event) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the event loop is gone (server shutting down): nobody is listening
-            self.cancel()
-
-
-@dataclass
-class Job:
-    """Engine work that is not a generation (precomputing chunks): fn(engine) in the loop thread."""
-
-    fn: Callable[[Engine], object]
-    future: Future = field(default_factory=Future)
-
-
-@dataclass
 class Sequence:
-    """A running request: its KV cache, its token picker and the tokens so far."""
+    """A running request: its KV cache, its token picker, the tokens so far and their text."""
 
     request: Request
     cache: KVCache
@@ -106,6 +50,7 @@ class Sequence:
     tokens: list[int]
     last: Token  # the newest token, with its logprobs when asked
     metrics: RequestMetrics
+    text: TextStream
     missed: list[tuple[int, int]] = field(default_factory=list)  # chunks stored once the answer is done
 
     @property
@@ -141,8 +86,9 @@ def prefill_piece(runner, job: PiecewisePrefill, piece: int) -> torch.Tensor | N
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, metrics: ServerMetrics, max_queue: int = 64, max_batch: int = 32):
-        self.engine, self.metrics = engine, metrics
+    def __init__(self, engine: Engine, metrics: LoopMetrics | None = None, max_queue: int = 0, max_batch: int = 32):
+        """max_queue: requests that may wait (0: no bound); max_batch: sequences decoded at once."""
+        self.engine, self.metrics = engine, metrics or LoopMetrics()
         self.max_queue, self.max_batch = max_queue, max_batch
         self.waiting: queue.Queue = queue.Queue(maxsize=max_queue)
         self.running: list[Sequence] = []
@@ -165,6 +111,23 @@ class Scheduler:
     def submit(self, item: Request | Job) -> None:
         """Queue a request or job; raises queue.Full when the queue is full."""
         self.waiting.put_nowait(item)
+
+    def run(self, requests: list[Request], on_done: Callable[[], None] | None = None) -> list[Completion]:
+        """Answer `requests` in the calling thread, batched as the server batches them; their
+        completions in order. A request the engine refused raises RequestError, once all are done."""
+        if self._thread.is_alive():
+            raise RuntimeError("this engine loop runs in its own thread: submit requests to it")
+        gathered = []
+        for req in requests:
+            gathered.append(Collected())
+            req.sink = _then(gathered[-1], on_done)
+            self.submit(req)
+        # Then the work the answers queued (storing the chunks they missed), as the server does after them.
+        while any(g.end is None for g in gathered) or not self.waiting.empty():
+            if self.prefilling is None and not self.running and self.waiting.empty():
+                raise RuntimeError("the engine loop went idle with requests unanswered")
+            self.step()
+        return [g.completion() for g in gathered]
 
     def run_job(self, fn: Callable[[Engine], object]) -> Future:
         job = Job(fn)
@@ -190,19 +153,24 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stop.is_set():
-            if self.prefilling is not None:
-                self._prefill_step()
-            elif len(self.running) < self.max_batch:
-                self._admit()
-            self._drop_cancelled()
-            if self.running:
-                self._decode_step()
+            self.step(wait=0.05)
         self._fail_all()
 
-    def _admit(self) -> None:
+    def step(self, wait: float = 0.0) -> None:
+        """Admit one waiting item (waiting up to `wait` seconds for one when idle) or run one piece
+        of a long full prefill, then one decode step for every running sequence."""
+        if self.prefilling is not None:
+            self._prefill_step()
+        elif len(self.running) < self.max_batch:
+            self._admit(wait)
+        self._drop_cancelled()
+        if self.running:
+            self._decode_step()
+
+    def _admit(self, wait: float) -> None:
         """Take one waiting item: a job runs now; a request is prefilled (a long full one piecewise)."""
         try:  # idle: wait for work; busy: only take what is already there
-            item = self.waiting.get(timeout=0.05) if not self.running else self.waiting.get_nowait()
+            item = self.waiting.get(timeout=wait) if wait and not self.running else self.waiting.get_nowait()
         except queue.Empty:
             return
         if isinstance(item, Job):
@@ -252,19 +220,19 @@ class Scheduler:
 
     def _prefill(self, req: Request) -> None:
         if req.cancelled.is_set():
-            self.metrics.cancelled.inc()
+            self.metrics.count_cancelled()
             return
         engine = self.engine
         try:
             with torch.inference_mode(), self.engine.namespace(req.namespace):
                 plan, out = engine.prefill(req.token_ids, req.mode, extra_capacity=req.params.max_tokens,
-                                           blend_cfg=req.blend_cfg)
+                                           blend_cfg=req.blend_cfg, seg=req.seg)
                 picker = req.picker()
                 first = picker(out.logits)
                 metrics = RequestMetrics.from_prefill(req.mode, len(req.token_ids), out.stats)
                 metrics.ttft_s = time.perf_counter() - req.arrival
                 # Exact rows now (a copy); the chunks it missed after the answer (store_missed).
-                missed = engine.store_after(req.token_ids, plan, out, req.mode, misses=False)
+                missed = engine.store_after(req.token_ids, plan, out, req.mode, misses=False) if req.store else []
         except RequestError as e:
             req.emit(Failed(400, str(e)))
             return
@@ -279,7 +247,7 @@ class Scheduler:
         req = job.request
         if req.cancelled.is_set():
             self.prefilling = None
-            self.metrics.cancelled.inc()
+            self.metrics.count_cancelled()
             return
         try:
             with torch.inference_mode():
@@ -304,7 +272,8 @@ class Scheduler:
                missed: list[tuple[int, int]] | None = None) -> None:
         """A prefilled request joins the running batch with its first token."""
         self.metrics.observe_prefill(req.mode, metrics.ttft_s, metrics)
-        seq = Sequence(req, cache, picker, [first.id], first, metrics, missed or [])
+        seq = Sequence(req, cache, picker, [first.id], first, metrics, TextStream(self.engine.tokenizer, req.params.stop),
+                       missed or [])
         self.running.append(seq)
         req.emit(Prefilled(metrics))
         self._after_token(seq)
@@ -346,22 +315,28 @@ class Scheduler:
             self._after_token(seq)
 
     def _after_token(self, seq: Sequence) -> None:
-        """Send the newest token, or finish the sequence on EOS or at max_tokens."""
+        """Send the newest token with its text, or finish the sequence on EOS, on a stop string or at
+        max_tokens."""
         params, token = seq.request.params, seq.tokens[-1]
         if not params.ignore_eos and token in self.engine.eos_ids:
             self._finish(seq, Done("stop", seq.metrics))
             return
+        seq.last.offset = len(seq.text.text)
+        seq.last.text = seq.text.push(token)
         seq.request.emit(seq.last)
-        if len(seq.tokens) >= params.max_tokens:
+        if seq.text.stopped:
+            self._finish(seq, Done("stop", seq.metrics))
+        elif len(seq.tokens) >= params.max_tokens:
             self._finish(seq, Done("length", seq.metrics))
 
     def _finish(self, seq: Sequence, event: Done | Failed) -> None:
         if isinstance(event, Done):
+            event.text, event.token_ids = seq.text.flush(), list(seq.tokens)
             m = event.metrics
             m.decode_tokens = len(seq.tokens)
             elapsed = time.perf_counter() - seq.request.arrival - m.ttft_s
             m.decode_tokens_per_s = (len(seq.tokens) - 1) / elapsed if elapsed > 0 and len(seq.tokens) > 1 else 0.0
-            self.metrics.generated.inc(len(seq.tokens))
+            self.metrics.count_generated(len(seq.tokens))
             if seq.missed:  # queued before the answer ends, so the client's next request finds them
                 self.store_missed(seq.request, seq.missed)
         self.running.remove(seq)
@@ -371,19 +346,19 @@ class Scheduler:
     def store_missed(self, req: Request, missed: list[tuple[int, int]]) -> None:
         """Write-behind of documents first met in a request: a job after its answer indexes them in
         the request's namespace and precomputes them (Engine.store_misses), off the request's path."""
-        ids = req.token_ids
-        self._behind(req.namespace, lambda engine: engine.store_misses(ids, missed),
+        ids, seg = req.token_ids, req.seg
+        self._behind(req.namespace, lambda engine: engine.store_misses(ids, missed, seg),
                      f"storing the {len(missed)} chunks a request missed")
-        self.reencode_neighbours(req.namespace, ids)  # older chunks they are much closer to
+        self.reencode_neighbours(req.namespace, ids, seg)  # older chunks they are much closer to
 
-    def reencode_neighbours(self, namespace: str, ids: list[int]) -> None:
+    def reencode_neighbours(self, namespace: str, ids: list[int], seg: Segments | None = None) -> None:
         """Write-behind of chunks a closer chunk just joined the namespace's collection for: jobs
         re-encode them after it (Engine.reencode_neighbours), off the path of whoever posted it,
         REENCODE_BATCH at a time."""
         def batch(engine: Engine) -> int:
-            encoded = engine.reencode_neighbours(ids, limit=REENCODE_BATCH)
+            encoded = engine.reencode_neighbours(ids, seg, limit=REENCODE_BATCH)
             if encoded == REENCODE_BATCH:  # more may wait: after the steps queued meanwhile
-                self.reencode_neighbours(namespace, ids)
+                self.reencode_neighbours(namespace, ids, seg)
             return encoded
 
         self._behind(namespace, batch, "re-encoding chunks after their closer neighbours")
@@ -406,6 +381,23 @@ class Scheduler:
         for seq in [s for s in self.running if s.request.cancelled.is_set()]:
             self.running.remove(seq)
             seq.cache = None
-            self.metrics.cancelled.inc()
-            if seq.missed:  # a stop string or a client gone: the documents are worth keeping all the same
+            self.metrics.count_cancelled()
+            if seq.missed:  # the client went away: the documents are worth keeping all the same
                 self.store_missed(seq.request, seq.missed)
+
+
+def _then(first: Callable[[object], None], then: Callable[[], None] | None) -> Callable[[object], None]:
+    """A sink that hands each event to `first` and calls `then` when the request ends."""
+    def sink(event) -> None:
+        first(event)
+        if then is not None and isinstance(event, (Done, Failed)):
+            then()
+    return sink
+
+
+def generate(engine: Engine, token_ids: list[int], params: SamplingParams, mode: str | None = None,
+             store: bool = True) -> Completion:
+    """One prompt through the engine loop."""
+    engine.check_ids(token_ids, params.max_tokens)
+    req = Request(token_ids, params, engine.effective_mode(mode), engine.keys.namespace, store=store)
+    return Scheduler(engine, max_batch=1).run([req])[0]

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.sampler import Sampler, SamplingParams
+from .sampler import Sampler, SamplingParams
 
 
 @dataclass
@@ -16,6 +16,8 @@ class Token:
     id: int
     logprob: float | None = None  # of `id`, when the request asked for logprobs
     top: list[tuple[int, float]] | None = None  # the most likely ids and their logprobs, best first
+    text: str = ""  # the text that is now safe to show (the engine loop fills it in)
+    offset: int = 0  # where this token's text starts in the whole text so far
 
 
 class TokenPicker:
