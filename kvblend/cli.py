@@ -14,129 +14,21 @@ from rich.console import Console
 from rich.table import Table
 
 from . import cli_adapter
+from .cli_flags import STORE, add_setting_flags, overrides
 
 
-def _add_engine_flags(p: argparse.ArgumentParser, research: bool = False) -> None:
-    """Flags that map onto Settings; unset flags leave env / YAML values alone. Research knobs
-    (off for every shipped model) are flags of `eval` only; elsewhere the environment and the YAML
-    file still set them."""
-    p.add_argument("--config", help="YAML settings file")
-    p.add_argument("--model", help="model name, HF folder or .gguf file (default smollm2-135m-instruct)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", help="auto, cpu or cuda")
-    p.add_argument("--mode", choices=["full", "prefix", "reuse", "blend"])
-    p.add_argument("--check-layers", help="e.g. 1 or 1,4")
-    p.add_argument("--recompute-ratios", help="e.g. 0.15 or 0.3,0.15")
-    p.add_argument("--min-recompute-tokens", type=int,
-                   help="each check layer recomputes at least this many reused tokens (default: 256)")
-    p.add_argument("--deviation", choices=["k", "v", "kv"])
-    p.add_argument("--check-layer-kv", choices=["fresh", "cached"])
-    p.add_argument("--weight-by-attention", action=argparse.BooleanOptionalAction, default=None,
-                   help="weight HKVD scores by the attention the suffix pays each token")
-    p.add_argument("--stale-key-scale", type=float,
-                   help="scale the attention paid to stale chunk keys (0 < s <= 1; 1 = exact)")
-    p.add_argument("--probe-layers", type=int, help="layers the attention probe walks (default: all)")
-    p.add_argument("--check-candidates", type=float,
-                   help="rows computed before the check: the probe's top reused rows, this many times "
-                        "the recompute budget (0: every row)")
-    p.add_argument("--probe-separators", action=argparse.BooleanOptionalAction, default=None,
-                   help="the attention probe computes the separators between chunks too (default: it skips them)")
-    p.add_argument("--probe-attention-from", type=float,
-                   help="share of the layers below which the probe's attention is not summed (default: 1/3)")
-    p.add_argument("--probe-suffix-tokens", type=int,
-                   help="the probe computes only the suffix's last this many tokens (default: 32; 0: all of it)")
-    if research:
-        _add_research_flags(p)
-    p.add_argument("--chunk-context", choices=["bare", "bos", "prefix"])
-    p.add_argument("--neighbour-context", action=argparse.BooleanOptionalAction, default=None,
-                   help="precompute each chunk of a known collection after its most similar chunk (default: on)")
-    p.add_argument("--neighbour-count", type=int,
-                   help="precompute each chunk of a known collection after this many of its most similar "
-                        "chunks, the nearest last (default: 1)")
-    p.add_argument("--neighbour-index", help="file of that index (default: neighbours.json in --local-disk)")
-    p.add_argument("--exact-first-chunk", action=argparse.BooleanOptionalAction, default=None,
-                   help="precompute also stores each chunk exact as a prompt's first chunk (default: on)")
-    p.add_argument("--chunk-adapter",
-                   help="chunk adapter chunk KV is precomputed with: auto (the model's shipped one, if any), "
-                        "none, or an adapter file")
-    p.add_argument("--separator")
-    p.add_argument("--namespace", help="the cache namespace chunks are stored in and read from (default: default)")
-    p.add_argument("--shared-namespace",
-                   help="a namespace also read, never written: a collection published with "
-                        "`kvblend store put --namespace NAME` that every API key's requests hit")
-    _add_store_flags(p)
-
-
-def _add_research_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--attention-power", type=float,
-                   help="selector score = attention^p x deviation (default: 1; 0: deviation alone among the candidates)")
-    p.add_argument("--stale-key-shift", type=float,
-                   help="after the check, move stale keys by this share of their chunk's measured shift (default: 0)")
-    p.add_argument("--shift-rows", type=int,
-                   help="with --stale-key-shift, rows of each chunk computed to measure the shift (default: 0: "
-                        "the selected rows measure it)")
-
-
-_RESEARCH_FIELDS = ("attention_power", "stale_key_shift", "shift_rows")
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    add_setting_flags(p)
 
 
 def _add_store_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--local-cpu", action=argparse.BooleanOptionalAction, default=None,
-                   help="keep chunk KV in this process's memory")
-    p.add_argument("--max-local-cpu-size", type=float, help="memory tier capacity, GiB")
-    p.add_argument("--local-disk", help="directory of the disk tier")
-    p.add_argument("--max-local-disk-size", type=float, help="disk tier capacity, GiB")
-    p.add_argument("--remote-url", help="Redis of the shared tier, redis://host:port[/db] (a Redis Cluster: any "
-                   "node, redis+cluster://host:port or with --remote-cluster)")
-    p.add_argument("--remote-cluster", action=argparse.BooleanOptionalAction, default=None,
-                   help="--remote-url is a node of a Redis Cluster (its masters' maxmemory bounds the tier)")
-    p.add_argument("--max-remote-size", type=float, help="Redis tier capacity, GiB")
-    p.add_argument("--remote-ttl", type=int, help="seconds a Redis entry lives")
-    p.add_argument("--layerwise", action=argparse.BooleanOptionalAction, default=None,
-                   help="read stored KV layer by layer in a background thread while layers compute")
-    p.add_argument("--prefetch-depth", type=int, help="layers read ahead of compute (default: every layer)")
-    p.add_argument("--kv-int8", action=argparse.BooleanOptionalAction, default=None,
-                   help="store chunk KV as int8 with a scale per token and head")
-    p.add_argument("--kv-half", action=argparse.BooleanOptionalAction, default=None,
-                   help="where the model computes in float32, store chunk KV in bfloat16 (default: on)")
-    p.add_argument("--compact-probe", action=argparse.BooleanOptionalAction, default=None,
-                   help="with the loading controller off, the attention probe always reads the compact int4 "
-                        "copies of disk and Redis entries (default: they are stored and read where the "
-                        "controller chooses; --no-compact-probe: none stored)")
-    p.add_argument("--loading-controller", action=argparse.BooleanOptionalAction, default=None,
-                   help="plan reads against compute where they would make the prefill wait: compact copies "
-                        "for the probe, a higher recompute ratio (default: on)")
-
-
-_STORE_FIELDS = ("local_cpu", "max_local_cpu_size", "local_disk", "max_local_disk_size", "remote_url",
-                 "remote_cluster", "max_remote_size", "remote_ttl", "layerwise", "prefetch_depth", "kv_int8", "kv_half",
-                 "compact_probe", "loading_controller")
+    add_setting_flags(p, STORE)
 
 
 def _settings(args):
     from .config import load_settings
 
-    return load_settings(args.config, model=args.model, dtype=args.dtype, device=args.device, mode=args.mode,
-                         check_layers=args.check_layers, recompute_ratios=args.recompute_ratios,
-                         min_recompute_tokens=args.min_recompute_tokens,
-                         deviation=args.deviation, check_layer_kv=args.check_layer_kv,
-                         weight_by_attention=args.weight_by_attention, stale_key_scale=args.stale_key_scale,
-                         probe_layers=args.probe_layers, check_candidates=args.check_candidates,
-                         probe_separators=args.probe_separators, probe_attention_from=args.probe_attention_from,
-                         probe_suffix_tokens=args.probe_suffix_tokens, chunk_context=args.chunk_context,
-                         neighbour_context=args.neighbour_context, neighbour_index=args.neighbour_index,
-                         neighbour_count=args.neighbour_count,
-                         exact_first_chunk=args.exact_first_chunk, chunk_adapter=args.chunk_adapter,
-                         separator=args.separator,
-                         namespace=args.namespace, shared_namespace=args.shared_namespace,
-                         **{name: getattr(args, name) for name in _STORE_FIELDS},
-                         **{name: getattr(args, name, None) for name in _RESEARCH_FIELDS})
-
-
-def _store_settings(args):
-    from .config import load_settings
-
-    return load_settings(args.config, **{name: getattr(args, name) for name in _STORE_FIELDS})
+    return load_settings(args.config, **overrides(args))
 
 
 def _llm(args):
@@ -170,15 +62,18 @@ def cmd_demo(args) -> int:
     from .api import SamplingParams
 
     console = Console()
-    data = json.loads(resources.files("kvblend.demo").joinpath("passages.json").read_text())
+    data = json.loads(resources.files("kvblend.demo").joinpath("collection.json").read_text())
     console.print("[bold]kvblend demo[/]: loading the model ...")
     llm = _llm(args)
     passages = data["passages"]
     stored = llm.store_documents(passages)
-    console.print(f"stored KV of {stored} passages (chunk context: {llm.settings.chunk_context})\n")
+    console.print(f"stored KV of {stored} passages (chunk context: {llm.settings.chunk_context}); each question's "
+                  "prompt holds all of them, in an order of its own\n")
     params = SamplingParams(max_tokens=args.max_tokens)
+    first = data["questions"][0]
+    llm.generate(first["question"], SamplingParams(max_tokens=1), documents=passages)  # warm-up, untimed
     table = Table(title="full prefill vs blend (same prompt)", show_lines=True)
-    for col in ("question / chunk order", "mode", "answer", "TTFT ms", "recomputed / prompt tokens"):
+    for col in ("question", "mode", "answer", "TTFT ms", "recomputed / prompt tokens"):
         table.add_column(col)
     runs = []  # (full's output, blend's) per question
     for q in data["questions"]:
@@ -186,8 +81,7 @@ def cmd_demo(args) -> int:
         pair = [llm.generate(q["question"], params, documents=docs, mode=mode)[0] for mode in ("full", "blend")]
         for mode, out in zip(("full", "blend"), pair):
             m = out.metrics
-            label = f"{q['question']}\nchunks {q['passages']}" if mode == "full" else ""
-            table.add_row(label, mode, out.text.strip(), f"{m.ttft_s * 1000:.0f}",
+            table.add_row(q["question"] if mode == "full" else "", mode, out.text.strip(), f"{m.ttft_s * 1000:.0f}",
                           f"{m.recomputed_tokens} / {m.prompt_tokens}")
         runs.append(pair)
     console.print(table)
@@ -278,7 +172,7 @@ def cmd_store(args) -> int:
         return commands.cmd_put(_settings(args), args.files, args.data, args.limit)
     if args.store_command == "size":
         return commands.cmd_size(args.model, args.dtype, args.chunk_tokens, args.tokens)
-    settings = _store_settings(args)
+    settings = _settings(args)
     if args.store_command == "ls":
         return commands.cmd_ls(settings, args.tier)
     if args.store_command == "evict":
@@ -302,7 +196,6 @@ def _add_store_parser(sub) -> None:
     for name, text in (("ls", "entries: key, tokens, bytes, tier"), ("evict", "delete entries"),
                        ("verify", "check every entry's checksums; delete bad ones")):
         p = ssub.add_parser(name, help=text)
-        p.add_argument("--config", help="YAML settings file")
         _add_store_flags(p)
         p.add_argument("--tier", choices=["disk", "redis"], help="only this tier")
         if name == "evict":
@@ -334,7 +227,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
 
     ev = sub.add_parser("eval", help="modes side by side on a RAG dataset, against full prefill")
-    _add_engine_flags(ev, research=True)
+    _add_engine_flags(ev)
     ev.add_argument("--data", required=True, help="CacheBlend .json, LongBench .jsonl or NQ-open .jsonl(.gz)")
     ev.add_argument("--limit", type=int, help="evaluate this many records (default: all)")
     ev.add_argument("--offset", type=int, default=0,

@@ -102,6 +102,18 @@ def test_configuration_md_documents_every_setting_with_its_default_and_environme
         assert documented_env == set(_env_names(name, field)), f"{name}: environment names {cells[2]}"
 
 
+def test_every_setting_has_its_flag_documented():
+    from kvblend.cli_flags import CONFIG_ONLY
+
+    flags = _flags(build_parser(), ["serve"])
+    for name, cells in _documented_settings().items():
+        flag = "--" + name.replace("_", "-")
+        if name in CONFIG_ONLY:
+            assert flag not in flags and not cells[3].strip(), name
+        else:
+            assert flag in flags and f"`{flag}`" in cells[3], f"{name}: flag {flag} missing or undocumented"
+
+
 def test_configuration_md_flags_are_real():
     flags = _flags(build_parser(), ["serve"])
     for name, cells in _documented_settings().items():
@@ -109,13 +121,6 @@ def test_configuration_md_flags_are_real():
         for flag in re.findall(r"--[a-z0-9-]+", cells[3]):
             assert flag in _flags(build_parser(), [command]), f"{name}: {flag} is not a flag of kvblend {command}"
             assert command == "eval" or flag in flags
-
-
-def test_research_knobs_are_flags_of_eval_only():
-    for setting in ("attention-power", "stale-key-shift", "shift-rows"):
-        assert f"--{setting}" in _flags(build_parser(), ["eval"])
-        for command in ("serve", "demo", "generate"):
-            assert f"--{setting}" not in _flags(build_parser(), [command])
 
 
 # --- README's commands against the CLI and the Makefile --------------------------------------

@@ -26,6 +26,7 @@ LAYERS = {
     "cli": 7,
     "cli_store": 7,
     "cli_adapter": 7,
+    "cli_flags": 7,
 }
 
 
