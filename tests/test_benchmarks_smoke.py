@@ -76,6 +76,14 @@ def test_chunk_loading(tmp_path, tiny_data):
     assert "into a fresh cache" in printed
 
 
+def test_offline_batch(tmp_path):
+    out = tmp_path / "offline.json"
+    run([bench("offline_batch"), "--prompts", "3", "--max-tokens", "3", "--repeats", "1", "--dtype", "float32",
+         "--out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+    assert result["outputs_match"] and [r["run"] for r in result["rows"]] == ["one at a time", "batched"]
+
+
 def test_serve_bench(tmp_path):
     out = tmp_path / "serve.json"
     run([bench("serve_bench"), "--requests", "2", "--concurrency", "2", "--streams", "2", "--decode-tokens", "2",
