@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
