@@ -150,9 +150,10 @@ def test_chunks_first_met_in_a_request_join_the_collection_after_the_answer():
     engine = make_engine(chunk_context="prefix", exact_first_chunk=False)
     out = generate(engine, prompt(cs), SamplingParams(max_tokens=2))
     assert out.metrics.chunk_tiers == ["miss"] * 3
-    index = engine.keys.neighbours
-    assert index is not None and len(index) == 3 and index.neighbour_of(cs[1]) == cs[0]
-    # Stored after their neighbours: the next request, in another order, hits every one.
-    plan = engine.plan(prompt(cs[::-1]), "blend")
-    assert plan.hits == 3 and engine.keys.lead_ids(cs[1]) == cs[0] + SEP
-    assert engine.keys.chunk_key(cs[1], PREFIX + SEP) in engine.store
+    with engine.namespace(engine.keys.namespace):  # its keys as a request gets them: the index as stored now
+        index = engine.keys.neighbours
+        assert index is not None and len(index) == 3 and index.neighbour_of(cs[1]) == cs[0]
+        # Stored after their neighbours: the next request, in another order, hits every one.
+        plan = engine.plan(prompt(cs[::-1]), "blend")
+        assert plan.hits == 3 and engine.keys.lead_ids(cs[1]) == cs[0] + SEP
+        assert engine.keys.chunk_key(cs[1], PREFIX + SEP) in engine.store

@@ -87,13 +87,20 @@ def test_a_master_killed_under_load_loses_no_request(redis_cluster):  # noqa: F8
             assert [r for r in results if r[2] != 200] == [], [r for r in results if r[2] != 200][:3]
             completions = [(i, body) for kind, i, _, body in results if kind == "completion"]
             assert all(body["kvblend"]["bad_entries"] == 0 for _, body in completions)
-            # Each its own output: an answer to its own prompt and, where every chunk was read, exactly
-            # the answer it gives with every chunk read (some recomputed, it blends other KV: no
-            # exact reference, the tiny model's answers then differ in their last tokens).
+            # Each its own output: an answer to its own prompt and, where its KV came from where the
+            # reference's did (every chunk read, from the same tiers, the same exact prefix), exactly
+            # the reference's answer. Otherwise it reads other KV (chunks recomputed in the window,
+            # or rows the prefix cache holds since): no exact reference, and the tiny random model's
+            # near-flat logits turn on such differences.
+            matched = 0
             for i, body in completions:
                 assert body["usage"]["prompt_tokens"] == lengths[i]
-                if body["kvblend"]["chunk_misses"] == 0:
+                same_sources = all(body["kvblend"][k] == hit[i]["kvblend"][k]
+                                   for k in ("chunk_tiers", "prefix_hit_tokens", "recomputed_tokens"))
+                if same_sources:
                     assert body["choices"][0]["text"] == hit[i]["choices"][0]["text"]
+                    matched += 1
+            assert matched > 0
             # The fault happened to requests: the down shard's chunks read as empty (recomputed).
             assert any(body["kvblend"]["chunk_misses"] > 0 for _, body in completions)
             # Writes lost in the window are written again; then nothing is owed.

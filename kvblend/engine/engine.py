@@ -155,11 +155,7 @@ class Engine:
     def namespace(self, name: str):
         """Chunk and prefix keys, and the neighbour index, of namespace `name` for the calls inside,
         so that tenants never share cached KV or each other's chunks as context. The engine is used
-        by one thread at a time, so swapping is safe. The current namespace is kept as it is: what
-        the calls inside learn of it (a new neighbour index) stays for the calls after."""
-        if name == self.keys.namespace:
-            yield
-            return
+        by one thread at a time, so swapping is safe."""
         saved = self.keys, self.blend_cfg
         self.keys = copy.copy(self.keys)  # cheap: a few fields (no cache per namespace to grow unbounded)
         self.keys.namespace = name
