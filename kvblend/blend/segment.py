@@ -151,6 +151,14 @@ def rag_prompt(tokenizer, sep: Sequence[int], system: str, question: str, docume
     else:
         text = f"{system}\n{mark}{question}\nAnswer:"
         head_specials = True  # BOS where the tokenizer adds one (Gemma 3 base reads garbage without it)
+    return documents_at_mark(tokenizer, text, mark, documents, sep, head_specials)
+
+
+def documents_at_mark(tokenizer, text: str, mark: str, documents: Sequence[str], sep: Sequence[int],
+                      head_specials: bool = False) -> Prompt:
+    """`text` with the documents as chunks where `mark` stands: the text before it the prefix (with
+    the tokenizer's special tokens where `head_specials`), the text after it the suffix. Each
+    document is tokenized alone; SeparatorInDocument where one would not stay one chunk."""
     head, tail = text.split(mark)
     docs = [tokenizer.encode(d, add_special_tokens=False) for d in documents]
     prefix = tokenizer.encode(head, add_special_tokens=head_specials)

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..blend.segment import (Prompt, SeparatorInDocument, check_documents_kept_whole, docs_mark, join_prompt,
-                             rag_prompt, tokenize_prompt)
+from ..blend.segment import (Prompt, SeparatorInDocument, docs_mark, documents_at_mark, rag_prompt,
+                             tokenize_prompt)
 from .engine import RequestError
 
 DEFAULT_SYSTEM = "You are a helpful assistant. Answer the question using the passages."
@@ -75,12 +75,7 @@ def chat_prompt(tokenizer, separator: str, sep_ids: list[int], messages: list[di
     # what storing the documents precomputed.
     if messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system or DEFAULT_SYSTEM})
-    head, tail = chat_text(tokenizer, messages).split(mark)
-    docs = [tokenizer.encode(d, add_special_tokens=False) for d in documents]
-    prefix = tokenizer.encode(head, add_special_tokens=False)
-    built = join_prompt(prefix, docs, tokenizer.encode(tail, add_special_tokens=False), sep_ids)
-    _kept_whole(check_documents_kept_whole, built.ids, prefix, docs, sep_ids)
-    return built
+    return _kept_whole(documents_at_mark, tokenizer, chat_text(tokenizer, messages), mark, documents, sep_ids)
 
 
 def rag(tokenizer, sep_ids: list[int], question: str, documents: Sequence[str], system: str | None) -> Prompt:
