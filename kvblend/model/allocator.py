@@ -1,0 +1,33 @@
+"""Keep freed activation memory in the process instead of handing it back to the OS.
+
+glibc serves each large allocation (a layer's activations: tens of MB at a few thousand tokens)
+with a fresh mmap and unmaps it on free, so the next layer's same-sized tensor is faulted in again
+page by page. On a 4k-token prefill of Qwen2.5 0.5B that made an int8 matrix product 4x slower
+than the kernel (its output's page faults) and the whole prefill 10-26% slower. Raising glibc's
+mmap and trim thresholds makes such blocks come from the heap and stay there for reuse; the
+resident set then stays near its high-water mark, which the working set bounds anyway.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters (malloc.h)
+THRESHOLD = 512 << 20  # blocks above this (rare: none in a prefill up to 8k tokens) still map and unmap
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Set glibc's thresholds once per process; False where the C library is not glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        ok = libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD) == 1 and libc.mallopt(M_TRIM_THRESHOLD, THRESHOLD) == 1
+    except (OSError, AttributeError):
+        ok = False
+    if not ok:
+        log.debug("mallopt unavailable: large blocks go back to the OS on free")
+    return ok
