@@ -135,7 +135,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     settings = load_settings(model=args.model, dtype=args.dtype)
-    engine = Engine(load_model(settings.model, settings.dtype, settings.device), settings)
+    engine = Engine(load_model(settings.model, settings.dtype, settings.device, settings.weights), settings)
     pool, questions = passages_pool(args.data, max(args.requests, 8))
     print(f"model {settings.model} ({engine.model.dtype}), {len(pool)} passages, {args.requests} requests, "
           f"{args.concurrency} clients, {args.docs_per_prompt} passages per prompt", flush=True)

@@ -351,7 +351,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     base = load_settings(dtype=args.dtype)
-    model = load_model(base.model, base.dtype, base.device)
+    model = load_model(base.model, base.dtype, base.device, base.weights)
     records = load_dataset(args.data, limit=args.offset + args.limit)[args.offset:]
     def which(arg: str) -> bool | set[str]:
         return {"all": True, "none": False}.get(arg, set(arg.split(",")))

@@ -35,7 +35,7 @@ def main() -> None:
     args = ap.parse_args()
 
     settings = Settings(model=args.model, chunk_adapter="none")
-    engine = Engine(load_model(settings.model, settings.dtype), settings)
+    engine = Engine(load_model(settings.model, settings.dtype, weights=settings.weights), settings)
     records = load_dataset(args.data, limit=1, offset=args.record)
     examples = teach(engine, build_prompts(engine, records, args.max_tokens), progress=False)
     if not examples:

@@ -42,7 +42,7 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str | None = None, device: str | None = None,
                  settings: Settings | None = None, **overrides):
         self.settings = settings or load_settings(model=model, dtype=dtype, device=device, **overrides)
-        loaded = load_model(self.settings.model, self.settings.dtype, self.settings.device)
+        loaded = load_model(self.settings.model, self.settings.dtype, self.settings.device, self.settings.weights)
         self.engine = Engine(loaded, self.settings)
         self.loop = Scheduler(self.engine)  # the server's engine loop, run here in the caller's thread
         self.tokenizer = loaded.tokenizer

@@ -122,7 +122,7 @@ def cmd_eval(args) -> int:
     settings = _settings(args)
     records = load_dataset(args.data, limit=args.limit, nq_k=args.nq_k, nq_gold_pos=args.nq_gold_pos,
                            offset=args.offset)
-    loaded = load_model(settings.model, settings.dtype, settings.device)
+    loaded = load_model(settings.model, settings.dtype, settings.device, settings.weights)
     engine = Engine(loaded, settings)
     index_dataset(engine, load_dataset(args.data, nq_k=args.nq_k, nq_gold_pos=args.nq_gold_pos))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
@@ -149,7 +149,7 @@ def cmd_serve(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     settings = _settings(args)
-    engine = Engine(load_model(settings.model, settings.dtype, settings.device), settings)
+    engine = Engine(load_model(settings.model, settings.dtype, settings.device, settings.weights), settings)
     keys = [k for k in (args.api_key or []) if k] or [k for k in os.environ.get("KVBLEND_API_KEY", "").split(",") if k]
     config = ServerConfig(model_name=args.served_model_name or settings.model, api_keys=keys,
                           max_queue=args.max_queue, max_batch=args.max_batch, max_tokens=args.max_tokens_limit,

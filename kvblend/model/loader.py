@@ -19,7 +19,10 @@ from pathlib import Path
 
 import torch
 
+from .allocator import keep_freed_memory
 from .aliases import ALIASES, DEFAULT_MODEL, ModelLoadError, cache_dir, resolve_alias
+from .layer_loader import load_layerwise
+from .weights import QUANTIZED, cpu_flags, WeightsError, quantize_linears, resolve_weights
 
 log = logging.getLogger(__name__)
 
@@ -33,9 +36,10 @@ class LoadedModel:
     hf: torch.nn.Module  # a transformers *ForCausalLM
     tokenizer: object
     name: str
-    fingerprint: str  # hash of architecture, weights identity and dtype: part of every cache key
+    fingerprint: str  # hash of architecture, weights identity, dtype and weight format: part of every cache key
     dtype: torch.dtype
     device: torch.device
+    weights: str = "fp32"  # the decoder layers' weight format (weights.py): fp32, bf16, int8 or int4
 
     @property
     def config(self):
@@ -84,11 +88,15 @@ def weights_identity(path: Path) -> str:
     return h.hexdigest()
 
 
-def fingerprint(config, weights_id: str, dtype: torch.dtype) -> str:
+def fingerprint(config, weights_id: str, dtype: torch.dtype, weights: str | None = None) -> str:
+    """Dense weights are held in the activation dtype, which is hashed already; a quantized format
+    is hashed too, so chunk KV made under one format never serves another."""
     cfg = config.to_dict()
     for volatile in ("_name_or_path", "transformers_version", "dtype", "torch_dtype", "quantization_config"):
         cfg.pop(volatile, None)
     blob = json.dumps(cfg, sort_keys=True, default=str) + weights_id + str(dtype)
+    if weights in QUANTIZED:
+        blob += f"weights={weights}"
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -101,11 +109,7 @@ def auto_device(device: str = "auto") -> torch.device:
 
 
 def cpu_has_fast_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return "amx_bf16" in flags or "avx512_bf16" in flags
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -174,19 +178,42 @@ def check_architecture(config, name: str) -> None:
         raise ModelLoadError(f"model {name!r} soft-caps attention logits, which kvblend's attention does not do")
 
 
-def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "auto") -> LoadedModel:
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "auto",
+               weights: str = "auto", progress: bool = True) -> LoadedModel:
+    from transformers import AutoConfig, AutoTokenizer
 
     path = resolve_model_path(name)
     dev = auto_device(device)
     dt = auto_dtype(dtype, dev)
+    try:
+        fmt = resolve_weights(weights, dev, dt)
+    except WeightsError as e:
+        raise ModelLoadError(str(e)) from e
     weights_id = weights_identity(path)
     folder = _gguf_as_folder(path, weights_id) if path.is_file() else path
     config = AutoConfig.from_pretrained(folder)
     check_architecture(config, name)
-    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=dt).to(dev).eval().requires_grad_(False)
+    if dev.type == "cpu":
+        keep_freed_memory()
+    hf = load_layerwise(folder, config, dt, fmt, progress) if dev.type == "cpu" else None
+    if hf is None:  # .bin weights, names transformers maps itself, or a GPU: transformers' loader
+        hf = _load_whole(folder, dt, fmt)
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    return LoadedModel(hf, tokenizer, name, fingerprint(config, weights_id, dt), dt, dev)
+    return LoadedModel(hf.to(dev), tokenizer, name, fingerprint(config, weights_id, dt, fmt), dt, dev, fmt)
+
+
+def _load_whole(folder: Path, dtype: torch.dtype, weights: str) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    if weights not in QUANTIZED:
+        return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval().requires_grad_(False)
+    # Quantized from the fp32 weights, as load_layerwise does; then every other parameter cast.
+    hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
+    for layer in hf.model.layers:
+        quantize_linears(layer, weights, dtype)
+    for p in hf.parameters():
+        p.data = p.data.to(dtype)
+    return hf
 
 
 def from_hf(hf: torch.nn.Module, tokenizer=None, name: str = "in-memory") -> LoadedModel:
@@ -196,5 +223,6 @@ def from_hf(hf: torch.nn.Module, tokenizer=None, name: str = "in-memory") -> Loa
     h = hashlib.sha256()
     for t in hf.state_dict().values():  # small models only: hashes every weight
         h.update(t.detach().float().cpu().numpy().tobytes())
+    weights = "bf16" if p.dtype == torch.bfloat16 else "fp32"
     return LoadedModel(hf.eval().requires_grad_(False), tokenizer, name,
-                       fingerprint(hf.config, h.hexdigest(), p.dtype), p.dtype, p.device)
+                       fingerprint(hf.config, h.hexdigest(), p.dtype), p.dtype, p.device, weights)

@@ -1,0 +1,151 @@
+"""Weight formats: how a model's linear layers hold their weights and which kernel multiplies them.
+
+- `fp32`, `bf16`: dense weights in that dtype, torch's own matrix product (oneDNN).
+- `int8`: weights int8 per output channel, activations int8 per row, quantized at each call;
+  products in int32 with `torch._int_mm` (VNNI where the CPU has it). Rows are quantized alone and
+  int32 sums are exact, so a row's output never depends on the rows batched with it.
+- `int4`: weights 4-bit in groups of `INT4_GROUP` with a scale and zero each, activations left in
+  their dtype (`torch._weight_int4pack_mm_for_cpu`): the smallest form, for memory, not for speed.
+
+Only the decoder layers' projections and MLP change format; the embedding, the norms and the output
+head keep the activation dtype. `auto` keeps dense weights (`auto_weights` says why).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+WEIGHTS = ("auto", "fp32", "bf16", "int8", "int4")
+INT4_GROUP = 64
+
+
+class WeightsError(ValueError):
+    """An unknown weight format, or one the activation dtype cannot use."""
+
+
+def cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            return set(line.split(":", 1)[1].split())
+    return set()
+
+
+def auto_weights(device: torch.device, dtype: torch.dtype) -> str:
+    """Dense weights in the activation dtype, on every device. int8 was 1.05-1.18x faster than bf16
+    on an AVX512-BF16 EPYC and several times fp32 where bf16 is slow, but held out (HotpotQA 0-29,
+    Qwen2.5 0.5B) its full prefill changed the answer's entity on 3-4 of 30 prompts against bf16's
+    0: it stays a format one asks for (docs/results.md#weight-formats)."""
+    return dense_format(dtype)
+
+
+def dense_format(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
+
+
+def resolve_weights(weights: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The format to load: `auto` by auto_weights, a named one checked against device and dtype."""
+    if weights not in WEIGHTS:
+        raise WeightsError(f"unknown weights {weights!r}; choose {', '.join(WEIGHTS)}")
+    if weights == "auto":
+        return auto_weights(device, dtype)
+    if weights in QUANTIZED and device.type != "cpu":
+        raise WeightsError(f"weights={weights} has CPU kernels only; use bf16 on {device.type}")
+    if weights in QUANTIZED and dtype not in (torch.float32, torch.bfloat16):
+        raise WeightsError(f"weights={weights} needs dtype float32 or bfloat16, "
+                           f"not {str(dtype).removeprefix('torch.')}")
+    if weights not in QUANTIZED and weights != dense_format(dtype):
+        raise WeightsError(f"weights={weights} with dtype={str(dtype).removeprefix('torch.')}: "
+                           "dense weights are held in the activation dtype")
+    return weights
+
+
+def quantize_rows(x: torch.Tensor, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., in] -> int8 rows [n, in] and their fp32 scales [n, 1] (symmetric, per row). In fp32
+    throughout: torch's mixed-dtype and inf-norm paths measured 4-5x slower than these."""
+    x2 = x.reshape(-1, in_features).to(torch.float32, copy=True)  # never the caller's tensor
+    scale = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127)
+    return x2.div_(scale).round_().to(torch.int8), scale
+
+
+class Int8Linear(torch.nn.Module):
+    """y = x W^T + b with W int8 per output channel and x int8 per row (dynamic)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        # [in, out], contiguous in the layout _int_mm reads fastest.
+        self.register_buffer("qweight_t", (w / scale[:, None]).round().to(torch.int8).t().contiguous())
+        self.register_buffer("scale", scale)
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xq, xs = quantize_rows(x, self.in_features)
+        y = torch._int_mm(xq, self.qweight_t).float().mul_(xs).mul_(self.scale).to(self.dtype)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int8 weights and activations"
+
+
+class Int4Linear(torch.nn.Module):
+    """y = x W^T + b with W 4-bit, asymmetric in groups of INT4_GROUP along the input."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
+        super().__init__()
+        w = weight.detach().float()
+        out_f, in_f = w.shape
+        if in_f % INT4_GROUP:
+            raise WeightsError(f"int4 weights need in_features divisible by {INT4_GROUP}, got {in_f}")
+        g = w.view(out_f, in_f // INT4_GROUP, INT4_GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp(min=1e-12)
+        q = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.int32).view(out_f, in_f)
+        # The kernel's zero is the value at code 8: w = (q - 8) * scale + zero.
+        zero = lo + 8 * scale
+        self.in_features, self.out_features = in_f, out_f
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(q, 1))
+        self.register_buffer("scales_zeros", torch.stack([scale.t(), zero.t()], dim=-1).to(dtype).contiguous())
+        self.register_buffer("bias", None if bias is None else bias.detach().to(dtype))
+        self.dtype = dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        y = torch._weight_int4pack_mm_for_cpu(x.reshape(-1, self.in_features).to(self.dtype), self.packed,
+                                              INT4_GROUP, self.scales_zeros)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, int4 weights in groups of {INT4_GROUP}"
+
+
+QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
+
+
+def quantized_linear(weights: str, weight: torch.Tensor, bias: torch.Tensor | None,
+                     dtype: torch.dtype) -> torch.nn.Module:
+    """A linear layer in a quantized format, from its dense weight (fp32 where there is one)."""
+    return QUANTIZED[weights](weight, bias, dtype)
+
+
+def quantize_linears(module: torch.nn.Module, weights: str, dtype: torch.dtype) -> None:
+    """Replace every nn.Linear under `module` (one decoder layer) by the format's module, in place."""
+    if weights not in QUANTIZED:
+        return
+    for name, child in list(module.named_children()):
+        if isinstance(child, torch.nn.Linear):
+            setattr(module, name, quantized_linear(weights, child.weight, child.bias, dtype))
+        else:
+            quantize_linears(child, weights, dtype)

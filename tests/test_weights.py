@@ -1,0 +1,125 @@
+"""Weight formats: the quantized layers' numbers, loading a folder layer by layer, the `auto` rule,
+and the fingerprint that keeps chunk KV of one format from serving another."""
+
+import pytest
+import torch
+from tiny_models import tiny_hf
+
+from kvblend.blend.segment import join_segments
+from kvblend.config import Settings
+from kvblend.engine.engine import Engine
+from kvblend.model.loader import ModelLoadError, fingerprint, load_model
+from kvblend.model.weights import Int4Linear, Int8Linear, WeightsError, resolve_weights
+
+CPU = torch.device("cpu")
+
+
+def dense(n_in=128, n_out=96, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n_out, n_in, generator=g) * 0.05, torch.randn(n_out, generator=g) * 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_linear_is_close_to_the_dense_product_and_each_row_is_its_own(dtype):
+    w, b = dense()
+    lin = Int8Linear(w, b, dtype)
+    x = torch.randn(2, 9, 128).to(dtype)
+    ref = torch.nn.functional.linear(x.float(), w, b)
+    y = lin(x)
+    assert y.shape == (2, 9, 96) and y.dtype == dtype
+    assert (y.float() - ref).norm() / ref.norm() < 0.02
+    # A row quantized alone gives the same output as in a batch: decode batching cannot change it.
+    assert torch.equal(lin(x[1, 4:5]), y[1, 4:5])
+    x_before = x.clone()
+    lin(x)
+    assert torch.equal(x, x_before)  # the caller's activations are never quantized in place
+
+
+def test_int4_linear_is_close_to_the_dense_product():
+    w, b = dense()
+    y = Int4Linear(w, b, torch.bfloat16)(torch.randn(5, 128).bfloat16())
+    assert y.shape == (5, 96) and y.dtype == torch.bfloat16
+    x = torch.randn(5, 128)
+    ref = torch.nn.functional.linear(x, w, b)
+    assert (Int4Linear(w, b, torch.float32)(x) - ref).norm() / ref.norm() < 0.15
+    with pytest.raises(WeightsError, match="divisible by 64"):
+        Int4Linear(torch.randn(8, 100), None, torch.float32)
+
+
+def test_auto_keeps_dense_weights_in_the_activation_dtype():
+    assert resolve_weights("auto", CPU, torch.bfloat16) == "bf16"
+    assert resolve_weights("auto", CPU, torch.float32) == "fp32"
+    assert resolve_weights("auto", torch.device("cuda"), torch.float16) == "fp16"
+    assert resolve_weights("int8", CPU, torch.bfloat16) == "int8"
+
+
+def test_formats_that_cannot_run_are_refused():
+    with pytest.raises(WeightsError, match="unknown weights 'int3'"):
+        resolve_weights("int3", CPU, torch.float32)
+    with pytest.raises(WeightsError, match="CPU kernels only"):
+        resolve_weights("int8", torch.device("cuda"), torch.bfloat16)
+    with pytest.raises(WeightsError, match="activation dtype"):
+        resolve_weights("bf16", CPU, torch.float32)
+    with pytest.raises(WeightsError, match="float32 or bfloat16"):
+        resolve_weights("int8", CPU, torch.float16)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("tiny") / "qwen2"
+    tiny_hf("qwen2").save_pretrained(path)
+    return path
+
+
+def test_the_layer_by_layer_loader_gives_transformers_weights(folder):
+    from transformers import AutoModelForCausalLM
+
+    for dtype in (torch.float32, torch.bfloat16):
+        ours = load_model(str(folder), dtype=dtype, device="cpu").hf.state_dict()
+        theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).state_dict()
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_a_quantized_load_replaces_every_decoder_linear_and_keys_its_kv_apart(folder):
+    m8 = load_model(str(folder), dtype="float32", weights="int8", device="cpu")
+    m32 = load_model(str(folder), dtype="float32", device="cpu")
+    m4 = load_model(str(folder), dtype="float32", weights="int4", device="cpu")
+    assert (m8.weights, m32.weights, m4.weights) == ("int8", "fp32", "int4")
+    layer = m8.hf.model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, Int8Linear) and isinstance(layer.mlp.down_proj, Int8Linear)
+    assert not any(isinstance(m, torch.nn.Linear) for m in m8.hf.model.layers.modules())
+    assert len({m8.fingerprint, m32.fingerprint, m4.fingerprint}) == 3
+    # Dense weights are the dtype's: the fingerprint chunk KV was stored under before formats existed.
+    assert m32.fingerprint == fingerprint(m32.hf.config, _weights_id(folder), torch.float32)
+    ids = torch.arange(1, 30)[None]
+    ref = m32.hf(ids).logits
+    assert (m8.hf(ids).logits - ref).norm() / ref.norm() < 0.05
+
+
+def _weights_id(folder):
+    from kvblend.model.loader import weights_identity
+
+    return weights_identity(folder)
+
+
+def test_load_model_names_a_bad_format(folder):
+    with pytest.raises(ModelLoadError, match="unknown weights"):
+        load_model(str(folder), weights="int2")
+
+
+def test_blend_at_ratio_one_equals_full_prefill_with_int8_weights(folder):
+    sep = [7, 7, 3]
+    engine = Engine(load_model(str(folder), dtype="float32", weights="int8", device="cpu"),
+                    Settings(check_layers=[1], recompute_ratios=[0.15], min_recompute_tokens=0, kv_half=False),
+                    sep_ids=sep)
+    g = torch.Generator().manual_seed(0)
+    cs = [torch.randint(10, 300, (24,), generator=g).tolist() for _ in range(3)]
+    engine.precompute(join_segments([1, 20, 21], cs, [30, 31, 32], sep))
+    ids = join_segments([1, 20, 21], [cs[2], cs[0], cs[1]], [30, 31, 32], sep)
+    _, full = engine.prefill(ids, "full")
+    from dataclasses import replace
+
+    plan, blend = engine.prefill(ids, "blend", blend_cfg=replace(engine.blend_cfg, ratios=[1.0]))
+    assert plan.hits == 3 and blend.stats.reused_tokens == 0
+    torch.testing.assert_close(blend.logits, full.logits, atol=1e-4, rtol=1e-4)
