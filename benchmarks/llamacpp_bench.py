@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="rounds per length, one number or one per length (e.g. 3,3,2); medians are reported")
     ap.add_argument("--n-batch", default="512,1024,2048", help="llama.cpp batch sizes to try (n_ubatch too)")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--weights", default="auto", help="weight format: auto, fp32, bf16, int8, int4")
     ap.add_argument("--no-hf", action="store_true", help="leave out transformers' forward")
     ap.add_argument("--out", type=Path, default=Path("results/llamacpp_bench.json"))
     ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out with .png)")
@@ -238,8 +239,8 @@ def main(argv: list[str] | None = None) -> dict:
                  "--lengths and --n-batch non-empty and positive")
     torch.set_num_threads(args.threads)
 
-    settings = load_settings(model=args.model, dtype=args.dtype)
-    engine = Engine(load_model(settings.model, settings.dtype), settings)
+    settings = load_settings(model=args.model, dtype=args.dtype, weights=args.weights)
+    engine = Engine(load_model(settings.model, settings.dtype, weights=settings.weights), settings)
     if max(lengths) > engine.max_len:
         ap.error(f"--lengths up to {max(lengths)}: beyond the model's context of {engine.max_len} tokens")
     prompts = stored_prompts(engine, load_dataset(args.data, limit=20), lengths)
@@ -269,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     systems = ([LLAMA] if llama is not None else []) + [f"kvblend {m}" for m in KVBLEND_MODES] + \
         ([] if args.no_hf else [HF])
-    dtype = str(engine.model.dtype).removeprefix("torch.")
+    dtype = f"{str(engine.model.dtype).removeprefix('torch.')}, {engine.model.weights} weights"
     cpu = cpu_name()
     plot_path = args.plot or args.out.with_suffix(".png")
     report = {"model": args.model, "gguf": str(gguf) if gguf else None, "dtype": dtype, "cpu": cpu,

@@ -1,9 +1,10 @@
 """Peak resident memory of a kvblend process that holds a model and serves one long RAG prompt.
 
 Run it as its own process per model and dtype (the peak is this process's high-water mark, from
-getrusage): it loads the model, stores the prompt's chunks, then prefills it in full and in blend,
-and prints the peak after each step (loading peaks: transformers reads the cached fp32 folder
-before casting), the resident memory then, and the bytes one stored chunk token takes.
+getrusage): it loads the model, stores the prompt's chunks, then serves it through the engine loop
+(one token) in full and in blend,
+and prints the peak after each step (loading reads the weights a tensor at a time, quantizing each
+layer as it comes), the resident memory then, and the bytes one stored chunk token takes.
 
     python benchmarks/peak_rss.py --model qwen2.5-coder-0.5b-instruct --length 8192
 """
@@ -19,6 +20,8 @@ import torch
 
 from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
+from kvblend.engine.sampler import SamplingParams
+from kvblend.engine.scheduler import generate
 from kvblend.eval.datasets import load_dataset
 from kvblend.model.loader import DEFAULT_MODEL, load_model
 from long_prompts import prompt_of_length  # this script's folder is on sys.path
@@ -40,25 +43,26 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=DEFAULT_MODEL)
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--weights", default="auto", help="weight format: auto, fp32, bf16, int8, int4")
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--data", default="../shared/data/musique_s.dev.json")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = {"model": args.model, "length": args.length, "start_peak_mib": peak_mib()}
-    settings = load_settings(model=args.model, dtype=args.dtype)
-    engine = Engine(load_model(settings.model, settings.dtype), settings)
+    settings = load_settings(model=args.model, dtype=args.dtype, weights=args.weights)
+    engine = Engine(load_model(settings.model, settings.dtype, weights=settings.weights), settings)
     out["dtype"] = str(engine.model.dtype).removeprefix("torch.")
+    out["weights"] = engine.model.weights
     out["loaded_peak_mib"], out["loaded_rss_mib"] = peak_mib(), rss_mib()
     ids = prompt_of_length(engine.tokenizer, engine.sep_ids, load_dataset(args.data, limit=20), args.length)
     engine.precompute(ids)
     out["stored_peak_mib"], out["stored_rss_mib"] = peak_mib(), rss_mib()
     r = engine.runner
     out["stored_bytes_per_token"] = 2 * r.n_layers * r.n_kv_heads * r.head_dim * engine.model.dtype.itemsize
-    with torch.inference_mode():
-        for mode in ("full", "blend"):
-            engine.prefill(ids, mode)
-            out[f"after_{mode}_peak_mib"], out[f"after_{mode}_rss_mib"] = peak_mib(), rss_mib()
+    for mode in ("full", "blend"):  # as served: the engine loop, a long full prefill in pieces
+        generate(engine, ids, SamplingParams(max_tokens=1), mode, store=False)
+        out[f"after_{mode}_peak_mib"], out[f"after_{mode}_rss_mib"] = peak_mib(), rss_mib()
     out["tokens"] = len(ids)
     print(json.dumps(out), flush=True)
     return out

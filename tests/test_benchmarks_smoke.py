@@ -158,3 +158,20 @@ def test_experiment_scripts_find_their_imports(script, tmp_path):
     """The research scripts are not run here (they need the evaluation data and minutes each), but
     each must still import what it uses, benchmarks/ helpers included, from any directory."""
     assert "usage:" in run([str(ROOT / "experiments" / script), "--help"], tmp_path)
+
+
+def test_linear_kernels(tmp_path):
+    out = tmp_path / "kernels.json"
+    run([bench("linear_kernels"), "--rows", "8", "--shapes", "0.5B up", "--repeats", "1", "--out", str(out)], tmp_path)
+    rows = json.loads(out.read_text())["rows"]
+    assert {"fp32", "int8 (fp32 activations)"} <= {r["format"] for r in rows}
+    assert all(r["ms"] > 0 for r in rows)
+
+
+def test_weight_formats(tmp_path, tiny_data):
+    out = tmp_path / "formats.json"
+    run([bench("weight_formats"), "--data", str(tiny_data), "--limit", "1", "--formats", "int8",
+         "--dtype", "float32", "--answer-tokens", "4", "--positions", "2", "--out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+    assert set(result["summary"]) == {"int8 full", "int8 blend"}
+    assert 0 <= result["summary"]["int8 full"]["kl_answer"] < 1
