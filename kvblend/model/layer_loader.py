@@ -18,7 +18,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from .weights import QUANTIZED, quantized_linear
+from .weights import QUANTIZED, quantized_linear, quantized_paths
 
 BLOCK_BYTES = 64 << 20  # a large tensor (embedding, output head) is read in blocks of rows this big
 LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -54,19 +54,20 @@ def _read(path: Path, name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-def _quantize_layer(prefix: str, layer: torch.nn.Module, files: dict[str, Path], weights: str,
+def _quantize_from_files(prefix: str, layer: torch.nn.Module, files: dict[str, Path], weights: str,
                     dtype: torch.dtype) -> set[str]:
     """Build the layer's quantized linears straight from the files' (fp32) weights, so their dense
     tensors are never filled; the names of the parameters this covered."""
     covered = set()
-    for path, lin in [(n, m) for n, m in layer.named_modules() if isinstance(m, torch.nn.Linear)]:
+    for path in quantized_paths(layer):
+        lin = layer.get_submodule(path)
         names = [f"{prefix}.{path}.{p}" for p, t in lin.named_parameters() if t is not None]
         if not all(n in files for n in names):
             continue
         w = _read(files[f"{prefix}.{path}.weight"], f"{prefix}.{path}.weight")
         b = _read(files[f"{prefix}.{path}.bias"], f"{prefix}.{path}.bias") if lin.bias is not None else None
         parent, _, attr = path.rpartition(".")
-        setattr(layer.get_submodule(parent) if parent else layer, attr, quantized_linear(weights, w, b, dtype))
+        setattr(layer.get_submodule(parent), attr, quantized_linear(weights, w, b, dtype))
         covered.update(names)
     return covered
 
@@ -95,7 +96,7 @@ def load_layerwise(folder: Path, config, dtype: torch.dtype, weights: str,
         names = by_layer[layer]
         if layer >= 0 and weights in QUANTIZED:
             prefix = names[0][: LAYER.search(names[0]).end() - 1]
-            covered = _quantize_layer(prefix, hf.get_submodule(prefix), files, weights, dtype)
+            covered = _quantize_from_files(prefix, hf.get_submodule(prefix), files, weights, dtype)
             names = [n for n in names if n not in covered]
         for name in names:
             p = params[name]

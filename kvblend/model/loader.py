@@ -22,7 +22,7 @@ import torch
 from .allocator import keep_freed_memory
 from .aliases import ALIASES, DEFAULT_MODEL, ModelLoadError, cache_dir, resolve_alias
 from .layer_loader import load_layerwise
-from .weights import QUANTIZED, cpu_flags, WeightsError, quantize_linears, resolve_weights
+from .weights import QUANTIZED, cpu_flags, WeightsError, quantize_layer, resolve_weights
 
 log = logging.getLogger(__name__)
 
@@ -210,7 +210,7 @@ def _load_whole(folder: Path, dtype: torch.dtype, weights: str) -> torch.nn.Modu
     # Quantized from the fp32 weights, as load_layerwise does; then every other parameter cast.
     hf = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval().requires_grad_(False)
     for layer in hf.model.layers:
-        quantize_linears(layer, weights, dtype)
+        quantize_layer(layer, weights, dtype)
     for p in hf.parameters():
         p.data = p.data.to(dtype)
     return hf
