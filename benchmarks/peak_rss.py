@@ -2,9 +2,8 @@
 
 Run it as its own process per model and dtype (the peak is this process's high-water mark, from
 getrusage): it loads the model, stores the prompt's chunks, then serves it through the engine loop
-(one token) in full and in blend,
-and prints the peak after each step (loading reads the weights a tensor at a time, quantizing each
-layer as it comes), the resident memory then, and the bytes one stored chunk token takes.
+(one token) in full and in blend, and prints the peak after each step, the resident memory then,
+and the bytes one stored chunk token takes.
 
     python benchmarks/peak_rss.py --model qwen2.5-coder-0.5b-instruct --length 8192
 """

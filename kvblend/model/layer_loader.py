@@ -4,8 +4,9 @@ activation dtype and quantizing each decoder layer as soon as it is whole.
 transformers' own loader maps whole files: every page of a cached fp32 folder it reads stays
 resident until the end, so a bf16 0.5B model peaked near 4 GB to hold 1.3. Here the model is built
 with empty (untouched, so not resident) tensors, each tensor is copied in from a file opened for
-that tensor or for a block of its rows and closed again, and a quantized layer frees its dense
-weights before the next one is read: the peak stays near the loaded model plus one layer.
+that tensor or for a block of its rows and closed again, and a quantized layer's linears are built
+from the files' weights, their dense tensors never filled: the peak stays near the loaded model
+plus one tensor.
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ def _read(path: Path, name: str) -> torch.Tensor:
 
 
 def _quantize_from_files(prefix: str, layer: torch.nn.Module, files: dict[str, Path], weights: str,
-                    dtype: torch.dtype) -> set[str]:
+                         dtype: torch.dtype) -> set[str]:
     """Build the layer's quantized linears straight from the files' (fp32) weights, so their dense
     tensors are never filled; the names of the parameters this covered."""
     covered = set()

@@ -22,7 +22,7 @@ import torch
 from .allocator import keep_freed_memory
 from .aliases import ALIASES, DEFAULT_MODEL, ModelLoadError, cache_dir, resolve_alias
 from .layer_loader import load_layerwise
-from .weights import QUANTIZED, cpu_flags, WeightsError, quantize_layer, resolve_weights
+from .weights import QUANTIZED, WeightsError, cpu_flags, dense_format, quantize_layer, resolve_weights
 
 log = logging.getLogger(__name__)
 
@@ -223,6 +223,5 @@ def from_hf(hf: torch.nn.Module, tokenizer=None, name: str = "in-memory") -> Loa
     h = hashlib.sha256()
     for t in hf.state_dict().values():  # small models only: hashes every weight
         h.update(t.detach().float().cpu().numpy().tobytes())
-    weights = "bf16" if p.dtype == torch.bfloat16 else "fp32"
     return LoadedModel(hf.eval().requires_grad_(False), tokenizer, name,
-                       fingerprint(hf.config, h.hexdigest(), p.dtype), p.dtype, p.device, weights)
+                       fingerprint(hf.config, h.hexdigest(), p.dtype), p.dtype, p.device, dense_format(p.dtype))
