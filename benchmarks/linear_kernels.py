@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     keep_freed_memory()
     bf16 = cpu_has_fast_bf16()
     rows = []
-    print(f"{cpu_name()}, {args.threads} threads")
+    print(cpu_name())
     print("| shape (in, out) | rows | format | ms | TFLOP/s |\n| --- | ---: | --- | ---: | ---: |")
     for name in args.shapes.split(","):
         n_in, n_out = SHAPES[name]

@@ -23,21 +23,10 @@ from tqdm import tqdm
 from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
-from kvblend.eval.harness import REFERENCE_CAPACITY, greedy, index_dataset, prompt_ids, teacher_forced
-from kvblend.eval.metrics import kl_divergence
+from kvblend.eval.harness import REFERENCE_CAPACITY, greedy, index_dataset, prompt_ids, scored, teacher_forced
 from kvblend.model.loader import DEFAULT_MODEL, load_model
 
 DTYPE_OF = {"fp32": "float32", "bf16": "bfloat16"}
-
-
-def scored(engine: Engine, ids: list[int], mode: str, answer: list[int], ref: torch.Tensor,
-           positions: int, answer_tokens: int) -> dict:
-    _, out = engine.prefill(ids, mode, max(REFERENCE_CAPACITY, answer_tokens + 8))
-    logits = teacher_forced(engine, out, len(ids), answer, positions)
-    mine = greedy(engine, out, len(ids), answer_tokens)
-    return dict(kl_answer=float(kl_divergence(ref, logits.float()).mean()),
-                top1_agree=float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
-                match_full=float(mine == answer), answer=engine.tokenizer.decode(mine, skip_special_tokens=True))
 
 
 def open_engine(model: str, dtype: str, weights: str) -> Engine:
@@ -67,11 +56,12 @@ def main(argv: list[str] | None = None) -> dict:
     for engine in (ref_engine, *engines.values()):
         index_dataset(engine, everything)
     modes = args.modes.split(",")
+    capacity = max(REFERENCE_CAPACITY, args.answer_tokens + 8)
     per = []
     for record in tqdm(records, desc="records"):
         ids = prompt_ids(ref_engine, record)
         ref_engine.check_ids(ids, args.answer_tokens)
-        _, full = ref_engine.prefill(ids, "full", max(REFERENCE_CAPACITY, args.answer_tokens + 8))
+        _, full = ref_engine.prefill(ids, "full", capacity)
         answer = greedy(ref_engine, full, len(ids), args.answer_tokens)
         ref = teacher_forced(ref_engine, full, len(ids), answer, args.positions)
         row = {"fp32 full": ref_engine.tokenizer.decode(answer, skip_special_tokens=True)}
@@ -79,7 +69,8 @@ def main(argv: list[str] | None = None) -> dict:
             if "blend" in modes:
                 engine.precompute(ids)
             for mode in modes:
-                row[f"{f} {mode}"] = scored(engine, ids, mode, answer, ref, args.positions, args.answer_tokens)
+                _, out = engine.prefill(ids, mode, capacity)
+                row[f"{f} {mode}"] = scored(engine, ids, out, answer, ref, args.positions, args.answer_tokens)
         per.append(row)
     labels = [k for k in per[0] if k != "fp32 full"]
     summary = {k: dict(kl_answer=statistics.mean(p[k]["kl_answer"] for p in per),

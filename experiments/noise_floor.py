@@ -24,8 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvblend.eval.harness import REFERENCE_CAPACITY, greedy, prompt_ids, teacher_forced
-from kvblend.eval.metrics import kl_divergence
+from kvblend.eval.harness import REFERENCE_CAPACITY, greedy, prompt_ids, scored, teacher_forced
 
 from kvblend.eval.dev_records import add_record_flags, open_records
 
@@ -52,14 +51,6 @@ class Bf16Rounding:
         for h in self.hooks:
             h.remove()
         self.hooks = []
-
-
-def scored(engine, ids, out, answer, ref, positions, answer_tokens) -> dict:
-    logits = teacher_forced(engine, out, len(ids), answer, positions)
-    mine = greedy(engine, out, len(ids), answer_tokens)
-    return dict(kl_answer=float(kl_divergence(ref, logits).mean()),
-                top1_agree=float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
-                match_full=float(mine == answer), answer=engine.tokenizer.decode(mine, skip_special_tokens=True))
 
 
 def main() -> None:

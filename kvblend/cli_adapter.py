@@ -14,8 +14,8 @@ def cmd_train(settings, args) -> int:
     from .eval.datasets import load_dataset
     from .eval.machine import cpu_name
     from .model.aliases import cache_dir
-    from .model.loader import auto_device, auto_dtype, load_model
-    from .model.weights import QUANTIZED, dense_format
+    from .model.loader import load_model
+    from .model.weights import QUANTIZED
     from .train.data import build_prompts, teach
     from .train.trainer import TrainConfig, train
 
@@ -29,8 +29,7 @@ def cmd_train(settings, args) -> int:
     # product rounds its input); the adapter then serves with whichever format the engine loads.
     if settings.weights in QUANTIZED:
         raise ValueError(f"--weights {settings.weights}: adapters train through dense weights; leave it at auto")
-    dense = dense_format(auto_dtype(settings.dtype, auto_device(settings.device)))
-    engine = Engine(load_model(settings.model, settings.dtype, settings.device, dense), settings)
+    engine = Engine(load_model(settings.model, settings.dtype, settings.device, settings.weights), settings)
     records = [r for path in args.data for r in load_dataset(path, limit=args.limit, offset=args.offset)]
     prompts = build_prompts(engine, records, args.max_tokens, seed=args.seed)
     random.Random(args.seed).shuffle(prompts)

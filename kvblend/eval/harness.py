@@ -108,6 +108,17 @@ def forced_logits(engine: Engine, ids: list[int], mode: str, cfg, answer: list[i
     return teacher_forced(engine, out, len(ids), answer, positions), out
 
 
+def scored(engine: Engine, ids: list[int], out: PrefillOutput, answer: list[int], ref: torch.Tensor,
+           positions: int, answer_tokens: int) -> dict:
+    """A prefill `out` of `ids` against a reference's greedy `answer` and its teacher-forced logits
+    `ref`: kl_answer, top1_agree, and whether the prefill's own greedy answer is the same."""
+    logits = teacher_forced(engine, out, len(ids), answer, positions)
+    mine = greedy(engine, out, len(ids), answer_tokens)
+    return dict(kl_answer=float(kl_divergence(ref, logits).mean()),
+                top1_agree=float((logits.argmax(-1) == ref.argmax(-1)).float().mean()),
+                match_full=float(mine == answer), answer=engine.tokenizer.decode(mine, skip_special_tokens=True))
+
+
 def run_eval(engine: Engine, records: list[RagRecord], modes: list[str], ratios: list[float],
              answer_tokens: int = 32, tf_positions: int = 16, progress: bool = True) -> dict:
     vs = variants(modes, ratios)

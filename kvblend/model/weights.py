@@ -39,7 +39,7 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def auto_weights(device: torch.device, dtype: torch.dtype) -> str:
+def auto_weights(dtype: torch.dtype) -> str:
     """Dense weights in the activation dtype, on every device. int8 prefilled 1.08-1.11x faster than
     bf16 on an AVX512-BF16 EPYC, and its layers run 5-7x fp32's rate where oneDNN has VNNI, but held
     out (HotpotQA 0-29, Qwen2.5 0.5B) its full prefill changed the answer's entity on 3 of 30 prompts
@@ -56,7 +56,7 @@ def resolve_weights(weights: str, device: torch.device, dtype: torch.dtype) -> s
     if weights not in WEIGHTS:
         raise WeightsError(f"unknown weights {weights!r}; choose {', '.join(WEIGHTS)}")
     if weights == "auto":
-        return auto_weights(device, dtype)
+        return auto_weights(dtype)
     if weights in QUANTIZED and device.type != "cpu":
         raise WeightsError(f"weights={weights} has CPU kernels only; use bf16 on {device.type}")
     if weights in QUANTIZED and dtype not in (torch.float32, torch.bfloat16):
