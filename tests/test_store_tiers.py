@@ -309,7 +309,10 @@ def test_a_cluster_evicts_whole_entries_under_its_maxmemory(redis_cluster):
                 assert same(entry.materialize(), value)
                 whole += 1
         assert 0 < whole < len(values) and tier.bad_entries == 0
-        assert len(tier.keys()) == whole and set(tier.keys()) <= set(values)
+        # Reading fills client output buffers, which Redis counts as used memory, so a master may
+        # evict again while we read: the index lists no more than were read whole, and nothing foreign.
+        listed = tier.keys()
+        assert 0 < len(listed) <= whole and set(listed) <= set(values)
     finally:
         for m in masters:
             m.config_set("maxmemory", 0)
