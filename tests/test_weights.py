@@ -9,6 +9,7 @@ from kvblend.blend.segment import join_segments
 from kvblend.config import Settings
 from kvblend.engine.engine import Engine
 from kvblend.model.loader import ModelLoadError, fingerprint, load_model
+from kvblend.model.mapped_embedding import MappedEmbedding
 from kvblend.model.weights import Int4Linear, Int8Linear, WeightsError, resolve_weights
 
 CPU = torch.device("cpu")
@@ -74,11 +75,35 @@ def folder(tmp_path_factory):
 def test_the_layer_by_layer_loader_gives_transformers_weights(folder):
     from transformers import AutoModelForCausalLM
 
+    ids = torch.arange(1, 40)[None]
     for dtype in (torch.float32, torch.bfloat16):
-        ours = load_model(str(folder), dtype=dtype, device="cpu").hf.state_dict()
-        theirs = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).state_dict()
-        assert ours.keys() == theirs.keys()
+        model = load_model(str(folder), dtype=dtype, device="cpu").hf
+        ref = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
+        ours, theirs = model.state_dict(), ref.state_dict()
+        # The untied input embedding is read from the file's pages, not loaded.
+        assert isinstance(model.get_input_embeddings(), MappedEmbedding)
+        assert ours.keys() == theirs.keys() - {"model.embed_tokens.weight"}
         assert all(torch.equal(ours[k], theirs[k]) for k in ours)
+        assert torch.equal(model.get_input_embeddings()(ids), ref.get_input_embeddings()(ids))
+        assert torch.equal(model(ids).logits, ref(ids).logits)
+
+
+def test_an_embedding_is_mapped_only_where_that_is_exact(folder, tmp_path):
+    from safetensors.torch import save_file
+
+    from kvblend.model.mapped_embedding import map_embedding, mapped_table
+
+    path = folder / "model.safetensors"
+    table = mapped_table(path, "model.embed_tokens.weight")
+    assert table is not None and table.dtype == torch.float32
+    assert mapped_table(path, "no.such.tensor") is None
+    save_file({"e": torch.zeros(4, 4, dtype=torch.int8)}, tmp_path / "int8.safetensors")
+    assert mapped_table(tmp_path / "int8.safetensors", "e") is None  # a dtype not read here
+    assert map_embedding(tiny_hf("qwen2"), path, "model.embed_tokens.weight", torch.float32)
+    tied = tiny_hf("qwen2", tie_word_embeddings=True)
+    assert not map_embedding(tied, path, "model.embed_tokens.weight", torch.float32)  # the head reads every row
+    gemma = tiny_hf("gemma3")
+    assert not map_embedding(gemma, path, "model.embed_tokens.weight", torch.float32)  # it scales its rows
 
 
 def test_a_quantized_load_replaces_every_decoder_linear_and_keys_its_kv_apart(folder):
