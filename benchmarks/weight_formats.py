@@ -24,6 +24,7 @@ from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
 from kvblend.eval.harness import REFERENCE_CAPACITY, greedy, index_dataset, prompt_ids, scored, teacher_forced
+from kvblend.eval.report import differing_answers
 from kvblend.model.loader import DEFAULT_MODEL, load_model
 
 DTYPE_OF = {"fp32": "float32", "bf16": "bfloat16"}
@@ -84,11 +85,8 @@ def main(argv: list[str] | None = None) -> dict:
     for k, s in summary.items():
         print(f"| {k} | {s['kl_answer']:.4f} | {s['median_kl']:.4f} | {s['top1_agree']:.3f} "
               f"| {s['answers_differ']:g} of {len(per)} |")
-    print("\nAnswers that differ from fp32 full's:")
-    for i, p in enumerate(per):
-        for k in labels:
-            if not p[k]["match_full"]:
-                print(f"  {args.offset + i} {k}: {p[k]['answer']!r}  (fp32 full: {p['fp32 full']!r})")
+    differ = differing_answers(per, labels, "fp32 full", args.offset)
+    print("\nAnswers that differ from fp32 full's:", *differ, sep="\n")
     result = dict(model=args.model, data=args.data, offset=args.offset, summary=summary, per_record=per)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))

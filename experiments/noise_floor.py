@@ -27,6 +27,7 @@ from tqdm import tqdm
 from kvblend.eval.harness import REFERENCE_CAPACITY, greedy, prompt_ids, scored, teacher_forced
 
 from kvblend.eval.dev_records import add_record_flags, open_records
+from kvblend.eval.report import differing_answers
 
 
 class Bf16Rounding:
@@ -92,11 +93,7 @@ def main() -> None:
         kls = [p[k]["kl_answer"] for p in per]
         print(f"| {k} | {statistics.mean(kls):.4f} | {statistics.mean(p[k]['top1_agree'] for p in per):.3f} "
               f"| {statistics.mean(p[k]['match_full'] for p in per):.2f} | {statistics.median(kls):.4f} |")
-    print("\nAnswers that differ from full's:")
-    for i, p in enumerate(per):
-        for k in labels:
-            if not p[k]["match_full"]:
-                print(f"  {args.offset + i} {k}: {p[k]['answer']!r}  (full: {p['full']!r})")
+    print("\nAnswers that differ from full's:", *differing_answers(per, labels, "full", args.offset), sep="\n")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(dict(data=args.data, offset=args.offset, per_record=per), indent=2))
 

@@ -1,6 +1,6 @@
 import json
 
-from kvblend.eval.report import format_table, mode_label, write_report
+from kvblend.eval.report import differing_answers, format_table, mode_label, write_report
 
 
 def _row(mode, ratio=None, kl=0.1, top1=0.9, ttft=0.5, ttft_ratio=0.5, recompute=0.2):
@@ -74,3 +74,10 @@ def test_write_report_numpy_values(tmp_path):
     row["kl_answer"] = np.float32(0.25)
     paths = write_report(_results([row]), tmp_path)
     assert json.loads(paths["json"].read_text())["rows"][0]["kl_answer"] == 0.25
+
+
+def test_differing_answers_lists_each_changed_answer_beside_the_references():
+    per = [{"full": "Paris", "int8": {"answer": "Paris", "match_full": 1.0}},
+           {"full": "Rome", "int8": {"answer": "Milan", "match_full": 0.0}}]
+    assert differing_answers(per, ["int8"], "full", first=30) == ["  31 int8: 'Milan'  (full: 'Rome')"]
+    assert differing_answers(per[:1], ["int8"], "full") == []

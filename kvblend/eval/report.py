@@ -57,6 +57,13 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def differing_answers(per: list[dict], labels: list[str], reference: str, first: int = 0) -> list[str]:
+    """Per record (numbered from `first`) and label, the greedy answers that are not the
+    reference's, each beside the reference's answer."""
+    return [f"  {first + i} {k}: {p[k]['answer']!r}  ({reference}: {p[reference]!r})"
+            for i, p in enumerate(per) for k in labels if not p[k]["match_full"]]
+
+
 def _json_default(obj):
     """numpy / torch values and paths in results become plain JSON values."""
     if hasattr(obj, "tolist"):  # numpy and torch scalars and arrays

@@ -25,10 +25,6 @@ class MappedEmbedding(torch.nn.Module):
         super().__init__()
         self.table, self.dtype = table, dtype  # a plain attribute: .to() and state_dict leave it alone
 
-    @property
-    def num_embeddings(self) -> int:
-        return self.table.shape[0]
-
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self.table).to(self.dtype)
 
