@@ -90,3 +90,20 @@ def test_a_chunk_with_no_neighbour_is_encoded_once_for_both_stores(monkeypatch):
         torch.testing.assert_close(stored.k, alone.k, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(stored.v, alone.v, atol=1e-5, rtol=1e-5)
         assert stored.positions.tolist() == alone.positions.tolist()
+
+
+def test_in_memory_a_chunk_and_its_first_chunk_blocks_share_one_tensor():
+    """Stored once in memory, not twice: the chunk's entry and its blocks are views of one encoding."""
+    cs = chunks(2, length=40, seed=18)
+    engine = make_engine(chunk_context="prefix")
+    ids = prompt(cs)
+    engine.precompute(ids)
+    context = ids[: engine.segments(ids).exact_end]
+    for c in cs:
+        chunk = engine.store.get(engine.keys.chunk_key(c, context))
+        first = context + c + SEP
+        spans = engine._prefix_blocks(first, engine.segments(first), len(first))
+        blocks = [engine.store.get(key) for _, key, _ in spans[-2:]]  # the chunk's last block, the separator's
+        bases = {b.k.untyped_storage().data_ptr() for b in blocks} | {chunk.k.untyped_storage().data_ptr()}
+        assert len(bases) == 1
+        torch.testing.assert_close(blocks[0].k[:, :, -1], chunk.k[:, :, -1], atol=0, rtol=0)

@@ -249,14 +249,19 @@ class Engine:
     # ---- storing -------------------------------------------------------------------------
 
     def store_prefix(self, token_ids: list[int], seg: Segments, k: torch.Tensor, v: torch.Tensor, end: int,
-                     start: int = 0) -> int:
+                     start: int = 0, copy: bool = True) -> int:
         """Store exact KV (k, v: [L, Hkv, >=end-start, d], row 0 = position `start`) of rows
-        [start, end) as prefix-cache blocks; their keys still hash every token from position 0."""
+        [start, end) as prefix-cache blocks; their keys still hash every token from position 0.
+        copy=False stores views of k and v: only for tensors that hold nothing but these rows (a
+        view keeps its whole tensor alive)."""
         stored = 0
         for (a, b), key, shared_key in self._prefix_blocks(token_ids, seg, end):
             if a >= start and not self._held(key, shared_key):
                 rows = slice(a - start, b - start)
-                self.store.put(key, ChunkKV(k[:, :, rows].clone(), v[:, :, rows].clone(), torch.arange(a, b)))
+                kb, vb = k[:, :, rows], v[:, :, rows]
+                if copy:
+                    kb, vb = kb.clone(), vb.clone()
+                self.store.put(key, ChunkKV(kb, vb, torch.arange(a, b)))
                 stored += 1
         return stored
 
@@ -294,8 +299,8 @@ class Engine:
                 todo[tuple(first)] = (first, first_seg)
         firsts = list(todo.values())
         encoded = encode_chunks(self.runner, token_ids[:C], [first[C:] for first, _ in firsts])
-        for (first, first_seg), kv in zip(firsts, encoded):
-            self.store_prefix(first, first_seg, kv.k, kv.v, len(first), start=C)
+        for (first, first_seg), kv in zip(firsts, encoded):  # each encoding is just its blocks' rows
+            self.store_prefix(first, first_seg, kv.k, kv.v, len(first), start=C, copy=False)
         return {tuple(first[C:len(first) - n_sep]): kv for (first, _), kv in zip(firsts, encoded)}
 
     def precompute(self, token_ids: list[int], seg: Segments | None = None) -> int:
@@ -339,9 +344,9 @@ class Engine:
         cut = self.keys.chunk_context == "prefix" and self.adapter is None
         for key, ids in todo.items():
             kv = firsts.get(tuple(ids)) if cut and not leads[key] else None
-            if kv is not None:
+            if kv is not None:  # views: in memory the chunk and its blocks share one tensor (counted twice)
                 n = len(ids)
-                out[key] = ChunkKV(kv.k[:, :, :n].clone(), kv.v[:, :, :n].clone(), kv.positions[:n].clone())
+                out[key] = ChunkKV(kv.k[:, :, :n], kv.v[:, :, :n], kv.positions[:n].clone())
         rest = [key for key in todo if key not in out]
         out.update(zip(rest, encode_chunks(self.runner, context, [todo[k] for k in rest], [leads[k] for k in rest],
                                            self.adapter)))
