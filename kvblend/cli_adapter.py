@@ -31,20 +31,31 @@ def cmd_train(settings, args) -> int:
         raise ValueError(f"--weights {settings.weights}: adapters train through dense weights; leave it at auto")
     engine = Engine(load_model(settings.model, settings.dtype, settings.device, settings.weights), settings)
     records = [r for path in args.data for r in load_dataset(path, limit=args.limit, offset=args.offset)]
+    dev_records = [r for path in args.dev_data or [] for r in load_dataset(path, limit=args.dev_limit,
+                                                                           offset=args.dev_offset)]
+    check_disjoint(records, dev_records)
     prompts = build_prompts(engine, records, args.max_tokens, seed=args.seed)
     random.Random(args.seed).shuffle(prompts)
-    if len(prompts) <= args.dev:
-        raise ValueError(f"{len(prompts)} prompts fit in --max-tokens {args.max_tokens}: "
-                         f"need more than --dev {args.dev}")
+    if dev_records:  # the step is chosen on prompts like those served, not on a share of the training mix
+        dev_prompts = build_prompts(engine, dev_records, args.max_tokens, seed=args.seed)
+    else:
+        if len(prompts) <= args.dev:
+            raise ValueError(f"{len(prompts)} prompts fit in --max-tokens {args.max_tokens}: "
+                             f"need more than --dev {args.dev}")
+        dev_prompts, prompts = prompts[:args.dev], prompts[args.dev:]
+    if not dev_prompts or not prompts:
+        raise ValueError(f"{len(prompts)} training and {len(dev_prompts)} dev prompts fit in --max-tokens "
+                         f"{args.max_tokens}: need some of each")
     # The prompts' chunks are the collection: each is trained after its neighbour in it, as served.
-    engine.index_collection(prompts)
-    examples = teach(engine, prompts, args.positions)
-    dev, train_set = examples[:args.dev], examples[args.dev:]
+    engine.index_collection(dev_prompts + prompts)
+    examples = teach(engine, dev_prompts + prompts, args.positions)
+    dev, train_set = examples[:len(dev_prompts)], examples[len(dev_prompts):]
     out = Path(args.out)
     checkpoint = Path(args.checkpoint) if args.checkpoint else cache_dir() / "adapter-checkpoints" / f"{out.stem}.pt"
     info = {"model": settings.model, "dtype": str(engine.model.dtype).removeprefix("torch."),
             "data": [str(p) for p in args.data], "offset": args.offset, "prompts": len(train_set),
-            "dev_prompts": len(dev), "max_tokens": args.max_tokens, "cpu": cpu_name(),
+            "dev_prompts": len(dev), "dev_data": [str(p) for p in args.dev_data or []],
+            "dev_offset": args.dev_offset, "max_tokens": args.max_tokens, "cpu": cpu_name(),
             "date": time.strftime("%Y-%m-%d")}
     print(f"training a chunk adapter for {settings.model} on {len(train_set)} prompts ({len(dev)} for dev); "
           f"checkpoint {checkpoint}")
@@ -58,6 +69,16 @@ def cmd_train(settings, args) -> int:
     return 0
 
 
+def check_disjoint(records: list, dev_records: list) -> None:
+    """Dev records that also train would choose the step on what it learned: refuse them."""
+    def key(r):
+        return r.question, tuple(r.passages)
+    shared = {key(r) for r in records} & {key(r) for r in dev_records}
+    if shared:
+        raise ValueError(f"{len(shared)} --dev-data record(s) are also in --data (e.g. {next(iter(shared))[0]!r}): "
+                         f"choose the step on records it does not train on (--offset, --dev-offset, --dev-limit)")
+
+
 def add_parser(sub, add_engine_flags):
     adapter = sub.add_parser("adapter", help="train a chunk adapter for a model")
     asub = adapter.add_subparsers(dest="adapter_command", required=True)
@@ -68,7 +89,12 @@ def add_parser(sub, add_engine_flags):
     t.add_argument("--offset", type=int, default=0, help="skip each file's first N records (keep them to report on)")
     t.add_argument("--limit", type=int, help="records of each file (default: all)")
     t.add_argument("--max-tokens", type=int, default=1536, help="prompt length: passages beyond it are left out")
-    t.add_argument("--dev", type=int, default=8, help="prompts kept aside to choose the best step on")
+    t.add_argument("--dev", type=int, default=8,
+                   help="prompts of --data kept aside to choose the best step on (without --dev-data)")
+    t.add_argument("--dev-data", action="append",
+                   help="choose the best step on these files' records instead (repeat; none may be in --data)")
+    t.add_argument("--dev-offset", type=int, default=0, help="skip each --dev-data file's first N records")
+    t.add_argument("--dev-limit", type=int, help="records of each --dev-data file (default: all)")
     t.add_argument("--positions", type=int, default=16, help="answer positions the loss compares")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--batch", type=int, default=4)

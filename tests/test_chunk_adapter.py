@@ -174,3 +174,15 @@ def test_a_tiny_models_adapter_trains_lowers_its_kl_and_resumes(tmp_path, monkey
     assert len(again.steps) == 12
     with pytest.raises(ValueError, match="other settings"):
         train(e, examples, examples, out, checkpoint, replace(cfg, lr=1e-3), progress=False)
+
+
+def test_dev_records_that_also_train_are_refused():
+    from types import SimpleNamespace
+
+    from kvblend.cli_adapter import check_disjoint
+
+    records = [SimpleNamespace(question=f"q{i}", passages=[f"p{i}", "shared"]) for i in range(4)]
+    check_disjoint(records[2:], records[:2])  # disjoint: fine
+    check_disjoint(records, [SimpleNamespace(question="q0", passages=["other"])])  # same question, other passages
+    with pytest.raises(ValueError, match=r"1 --dev-data record\(s\) are also in --data \(e.g. 'q1'\)"):
+        check_disjoint(records[1:], records[:2])
