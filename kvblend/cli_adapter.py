@@ -20,7 +20,8 @@ def cmd_train(settings, args) -> int:
     from .train.trainer import TrainConfig, train
 
     cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, rank=args.rank,
-                      alpha=args.alpha, dev_every=args.dev_every, seed=args.seed, student=args.student)
+                      alpha=args.alpha, dev_every=args.dev_every, seed=args.seed, student=args.student,
+                      init=args.init or "")
     # The engine that trains makes chunk KV with the adapter being trained, never with another one,
     # and keeps it in memory: the adapter changes every step, so its KV is of no use to a store.
     settings = settings.model_copy(update={"chunk_adapter": "none", "local_disk": None, "remote_url": None,
@@ -104,6 +105,7 @@ def add_parser(sub, add_engine_flags):
     t.add_argument("--alpha", type=float, default=16.0)
     t.add_argument("--dev-every", type=int, default=25)
     t.add_argument("--seed", type=int, default=0)
+    t.add_argument("--init", help="an adapter file to continue training from (its --rank and --alpha)")
     t.add_argument("--student", choices=["blend", "reuse"], default="blend",
                    help="train for blend at the configured ratio (default) or for plain reuse")
     t.add_argument("--out", required=True, help="the adapter file written (the dev prompts' best step)")

@@ -174,6 +174,15 @@ def test_a_tiny_models_adapter_trains_lowers_its_kl_and_resumes(tmp_path, monkey
     assert len(again.steps) == 12
     with pytest.raises(ValueError, match="other settings"):
         train(e, examples, examples, out, checkpoint, replace(cfg, lr=1e-3), progress=False)
+    # Continued from the adapter it wrote: the start is scored as served and is the mark to beat.
+    more = train(e, examples, examples, tmp_path / "b.safetensors", tmp_path / "b.pt",
+                 replace(cfg, steps=2, lr=1e-4, init=str(out)), progress=False)
+    assert more.dev[1]["init"] == str(out)
+    assert more.dev[1]["kl_answer"] == pytest.approx(history.best_kl, rel=1e-4)
+    assert more.best_kl <= more.dev[1]["kl_answer"]
+    assert (more.best_step > 0) == (tmp_path / "b.safetensors").is_file()
+    with pytest.raises(ValueError, match="train it on with --rank 4 --alpha 16.0"):
+        train(e, examples, examples, out, tmp_path / "c.pt", replace(cfg, rank=8, init=str(out)), progress=False)
 
 
 def test_dev_records_that_also_train_are_refused():

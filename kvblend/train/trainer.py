@@ -43,6 +43,8 @@ class TrainConfig:
     seed: int = 0
     # "blend": the student recomputes the rows blend selects, as served; "reuse": none of them.
     student: str = "blend"
+    # An adapter file to start from (its rank and alpha): training continues from its weights.
+    init: str = ""
 
     def __post_init__(self):
         if self.student not in ("blend", "reuse"):
@@ -161,7 +163,7 @@ def train(engine: Engine, train_set: list[Example], dev_set: list[Example], out:
     if not train_set or not dev_set:
         raise ValueError("training needs at least one training prompt and one dev prompt")
     checkpoint, out = Path(checkpoint), Path(out)
-    adapter = ChunkAdapter.for_model(engine.model.config, cfg.rank, cfg.alpha, info, cfg.seed)
+    adapter = start_adapter(engine, cfg, info)
     opt = torch.optim.AdamW(adapter.parameters(), lr=cfg.lr, weight_decay=0.0)
     history, start = History(), 0
     if checkpoint.is_file():
@@ -174,9 +176,11 @@ def train(engine: Engine, train_set: list[Example], dev_set: list[Example], out:
         history, start = state["history"], state["step"]
     for p in engine.model.hf.parameters():
         p.requires_grad_(False)
-    if start == 0 and not history.dev:  # the model without an adapter: the mark to beat
+    if start == 0 and not history.dev:  # the model without an adapter (and the one started from): marks to beat
         history.dev.append({"step": 0, **dev_score(engine, None, dev_set)})
-        history.best_kl = history.dev[-1]["kl_answer"]
+        if cfg.init:
+            history.dev.append({"step": 0, "init": cfg.init, **dev_score(engine, adapter, dev_set)})
+        history.best_kl = min(d["kl_answer"] for d in history.dev)
     bar = tqdm(range(start, cfg.steps), desc="adapter", initial=start, total=cfg.steps, disable=not progress)
     for step in bar:
         t0 = time.perf_counter()
@@ -207,6 +211,18 @@ def train(engine: Engine, train_set: list[Example], dev_set: list[Example], out:
         bar.set_postfix(loss=f"{total:.4f}", dev=f"{history.dev[-1]['kl_answer']:.4f}")
         _save_checkpoint(checkpoint, adapter, opt, step + 1, history, cfg)
     return history
+
+
+def start_adapter(engine: Engine, cfg: TrainConfig, info: dict | None) -> ChunkAdapter:
+    """A fresh adapter, or the weights of `cfg.init` (which must fit the model and have cfg's rank and alpha)."""
+    if not cfg.init:
+        return ChunkAdapter.for_model(engine.model.config, cfg.rank, cfg.alpha, info, cfg.seed)
+    adapter = ChunkAdapter.load(cfg.init)
+    adapter.check_fits(engine.model.config)
+    if (adapter.rank, adapter.alpha) != (cfg.rank, cfg.alpha):
+        raise ValueError(f"{cfg.init} has rank {adapter.rank} and alpha {adapter.alpha}: "
+                         f"train it on with --rank {adapter.rank} --alpha {adapter.alpha}")
+    return adapter
 
 
 def _save_checkpoint(path: Path, adapter: ChunkAdapter, opt, step: int, history: History, cfg: TrainConfig) -> None:
