@@ -38,7 +38,7 @@ def cmd_train(settings, args) -> int:
     prompts = build_prompts(engine, records, args.max_tokens, seed=args.seed)
     random.Random(args.seed).shuffle(prompts)
     if dev_records:  # the step is chosen on prompts like those served, not on a share of the training mix
-        dev_prompts = build_prompts(engine, dev_records, args.max_tokens, seed=args.seed)
+        dev_prompts = dev_orders(engine, dev_records, args.max_tokens, args.seed, args.dev_orders)
     else:
         if len(prompts) <= args.dev:
             raise ValueError(f"{len(prompts)} prompts fit in --max-tokens {args.max_tokens}: "
@@ -56,8 +56,8 @@ def cmd_train(settings, args) -> int:
     info = {"model": settings.model, "dtype": str(engine.model.dtype).removeprefix("torch."),
             "data": [str(p) for p in args.data], "offset": args.offset, "prompts": len(train_set),
             "dev_prompts": len(dev), "dev_data": [str(p) for p in args.dev_data or []],
-            "dev_offset": args.dev_offset, "max_tokens": args.max_tokens, "cpu": cpu_name(),
-            "date": time.strftime("%Y-%m-%d")}
+            "dev_offset": args.dev_offset, "dev_orders": args.dev_orders, "max_tokens": args.max_tokens,
+            "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d")}
     print(f"training a chunk adapter for {settings.model} on {len(train_set)} prompts ({len(dev)} for dev); "
           f"checkpoint {checkpoint}")
     history = train(engine, train_set, dev, out, checkpoint, cfg, info)
@@ -68,6 +68,22 @@ def cmd_train(settings, args) -> int:
         return 1
     print(f"wrote {out}")
     return 0
+
+
+def dev_orders(engine, records: list, max_tokens: int, seed: int, orders: int) -> list[list[int]]:
+    """Each dev record's prompt in `orders` passage orders (the same prompt once): a handful of
+    hard prompts sway a small dev set's mean, and which prompts are hard moves with the order."""
+    from .train.data import build_prompts
+
+    if orders < 1:
+        raise ValueError(f"--dev-orders must be >= 1, got {orders}")
+    seen, prompts = set(), []
+    for order in range(orders):
+        for ids in build_prompts(engine, records, max_tokens, seed=seed + order):
+            if tuple(ids) not in seen:
+                seen.add(tuple(ids))
+                prompts.append(ids)
+    return prompts
 
 
 def check_disjoint(records: list, dev_records: list) -> None:
@@ -96,6 +112,8 @@ def add_parser(sub, add_engine_flags):
                    help="choose the best step on these files' records instead (repeat; none may be in --data)")
     t.add_argument("--dev-offset", type=int, default=0, help="skip each --dev-data file's first N records")
     t.add_argument("--dev-limit", type=int, help="records of each --dev-data file (default: all)")
+    t.add_argument("--dev-orders", type=int, default=1,
+                   help="each --dev-data record in this many passage orders (more dev prompts, less noise)")
     t.add_argument("--positions", type=int, default=16, help="answer positions the loss compares")
     t.add_argument("--steps", type=int, default=200)
     t.add_argument("--batch", type=int, default=4)
