@@ -169,7 +169,8 @@ def cmd_train(args) -> None:
     best = min(d["kl"] for d in log["dev"] if d["what"] == "none")
     for step in range(start, args.steps):
         t0 = time.perf_counter()
-        lr = args.lr * min(1.0, (step + 1) / args.warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
+        warm = min(1.0, (step + 1) / args.warmup)
+        lr = args.lr * warm * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / args.steps)))
         for g in opt.param_groups:
             g["lr"] = lr
         batch = random.Random(args.seed * 1_000_003 + step).sample(train_set, args.batch)
