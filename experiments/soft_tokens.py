@@ -26,15 +26,15 @@ from pathlib import Path
 
 import torch
 
+from kvblend.cli_adapter import training_engine, training_examples
 from kvblend.config import Settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
 from kvblend.eval.harness import index_dataset, prompt_ids
-from kvblend.model.loader import load_model
 from kvblend.model.runner import Rows
-from kvblend.train.data import Example, build_prompts, save_atomic, teach
-from kvblend.train.student import ExactKV, _attend, _mask, exact_kv, move, read, topk_kl
-from kvblend.train.trainer import exact_end, selected
+from kvblend.train.data import Example, save_atomic, teach
+from kvblend.train.student import ExactKV, encode_rows, exact_kv, move, topk_kl
+from kvblend.train.trainer import exact_end, read_served
 
 
 class SoftTokens(torch.nn.Module):
@@ -59,67 +59,41 @@ def encode(runner, soft: SoftTokens | None, context: ExactKV, chunks, leads):
     """Each chunk after the context and its lead, with the soft rows around it: per layer K, V
     over [pre, chunk, post] of every chunk (concatenated), their encode positions, and which are
     chunk rows."""
-    ks, vs, pos_all, is_chunk = [[] for _ in range(runner.n_layers)], [[] for _ in range(runner.n_layers)], [], []
-    m1 = 0 if soft is None else soft.pre.shape[0]
-    m2 = 0 if soft is None else soft.post.shape[0]
+    m1, m2 = (0, 0) if soft is None else (soft.pre.shape[0], soft.post.shape[0])
+    per_chunk = []
     for lead, chunk in zip(leads, chunks):
-        C, L = context.n, len(lead)
-        emb = runner.embed_tokens
-        parts = [emb(torch.tensor(lead))] if lead else []
-        if m1:
-            parts.append(soft.pre.to(runner.dtype))
-        parts.append(emb(torch.tensor(chunk)))
-        if m2:
-            parts.append(soft.post.to(runner.dtype))
+        parts = [runner.embed_tokens(torch.tensor(lead))] if lead else []
+        parts += [soft.pre.to(runner.dtype)] if m1 else []
+        parts.append(runner.embed_tokens(torch.tensor(chunk)))
+        parts += [soft.post.to(runner.dtype)] if m2 else []
         h = torch.cat(parts)
-        pos = torch.arange(C, C + h.shape[0])
+        pos = torch.arange(context.n, context.n + h.shape[0])
         rows = Rows(h, pos, {key: rot.cos_sin(pos, runner.dtype) for key, rot in runner.rotaries.items()})
-        k_pos = torch.cat([torch.arange(C), pos])
-        for layer in range(runner.n_layers):
-            q, k, v = runner.qkv(layer, rows)
-            ks[layer].append(k[:, L:])
-            vs[layer].append(v[:, L:])
-            if layer == runner.n_layers - 1:
-                break
-            mask = _mask(pos, k_pos, runner.windows[layer])
-            keys, values = torch.cat([context.k[layer], k], 1), torch.cat([context.v[layer], v], 1)
-            rows.h = runner.after_attention(layer, rows.h, _attend(runner, layer, q, keys, values, mask))
-        pos_all.append(pos[L:])
-        is_chunk.append(torch.tensor([False] * m1 + [True] * len(chunk) + [False] * m2))
-    return ([torch.cat(k, 1) for k in ks], [torch.cat(v, 1) for v in vs], torch.cat(pos_all), torch.cat(is_chunk))
+        ks, vs = encode_rows(runner, None, context, rows, len(lead))
+        per_chunk.append((ks, vs, pos[len(lead):], torch.tensor([False] * m1 + [True] * len(chunk) + [False] * m2)))
+    return ([torch.cat([c[0][layer] for c in per_chunk], 1) for layer in range(runner.n_layers)],
+            [torch.cat([c[1][layer] for c in per_chunk], 1) for layer in range(runner.n_layers)],
+            torch.cat([c[2] for c in per_chunk]), torch.cat([c[3] for c in per_chunk]))
 
 
 def student_logits(engine: Engine, soft: SoftTokens | None, ex: Example) -> torch.Tensor:
     """The answer logits of blend served with the soft rows stored around each chunk: they keep
     the chunk's move, so `pre` sits just before the chunk's place and `post` just after it."""
-    runner, cfg = engine.runner, engine.blend_cfg
-    T, E = len(ex.ids), exact_end(engine, ex)
+    runner = engine.runner
+    E = exact_end(engine, ex)
     exact = exact_kv(runner, ex.ids[:E])
     context = ExactKV([k[:, :ex.seg.exact_end] for k in exact.k], [v[:, :ex.seg.exact_end] for v in exact.v])
     spans = [s for s in ex.seg.chunks if s[0] >= E]
     chunks = [ex.ids[a:b] for a, b in spans]
-    ks, vs, enc_pos, is_chunk = encode(runner, soft, context, chunks, [engine.keys.lead_ids(c) for c in chunks])
-    m1 = 0 if soft is None else soft.pre.shape[0]
-    lead_len = [len(engine.keys.lead_ids(c)) for c in chunks]
-    # Every row of a chunk's block moves by the chunk's own delta.
-    m2 = 0 if soft is None else soft.post.shape[0]
-    C = context.n  # a chunk's first row was encoded at C + its lead + m1
-    shift = torch.cat([torch.full((m1 + (b - a) + m2,), a - (C + L + m1)) for (a, b), L in zip(spans, lead_len)])
-    target = enc_pos + shift
+    leads = [engine.keys.lead_ids(c) for c in chunks]
+    ks, vs, enc_pos, is_chunk = encode(runner, soft, context, chunks, leads)
+    m1, m2 = (0, 0) if soft is None else (soft.pre.shape[0], soft.post.shape[0])
+    # Every row of a chunk's block moves by the chunk's own delta (its first row was encoded at
+    # the context's end + its lead + m1).
+    shift = torch.cat([torch.full((m1 + (b - a) + m2,), a - (context.n + len(lead) + m1))
+                       for (a, b), lead in zip(spans, leads)])
     moved = [move(runner, layer, k, shift) for layer, k in enumerate(ks)]
-    chosen = selected(engine, ex, exact, [m[:, is_chunk] for m in moved], [v[:, is_chunk] for v in vs], cfg)
-    stale = torch.zeros(T, dtype=torch.bool)
-    stale[target[is_chunk]] = True
-    stale[chosen] = False
-    keep = ~is_chunk
-    keep[is_chunk] = stale[target[is_chunk]]
-    rows = [p for p in range(E, T) if not stale[p]]
-    n = ex.n_positions
-    ids = [ex.ids[p] for p in rows] + ex.answer[: n - 1]
-    pos = torch.tensor(rows + list(range(T, T + n - 1)))
-    damp_from = 1 if cfg.weight_by_attention and cfg.check_candidates else 0
-    return read(runner, exact, [m[:, keep] for m in moved], [v[:, keep] for v in vs], target[keep], ids, pos, n,
-                cfg.stale_key_scale, damp_from)
+    return read_served(engine, ex, exact, moved, vs, enc_pos + shift, "blend", engine.blend_cfg, is_chunk)
 
 
 @torch.no_grad()
@@ -133,8 +107,7 @@ def score(engine: Engine, soft: SoftTokens | None, examples: list[Example]) -> t
 
 
 def make_engine(model: str) -> Engine:
-    settings = Settings(model=model, chunk_adapter="none", local_disk=None, remote_url=None, neighbour_index=None)
-    engine = Engine(load_model(settings.model, settings.dtype, settings.device, settings.weights), settings)
+    engine = training_engine(Settings(model=model))
     for p in engine.model.hf.parameters():
         p.requires_grad_(False)
     return engine
@@ -142,15 +115,7 @@ def make_engine(model: str) -> Engine:
 
 def cmd_train(args) -> None:
     engine = make_engine(args.model)
-    records = [r for path in args.data for r in load_dataset(path, offset=args.offset)]
-    dev_records = [r for path in args.dev_data for r in load_dataset(path, limit=args.dev_limit,
-                                                                      offset=args.dev_offset)]
-    prompts = build_prompts(engine, records, args.max_tokens, seed=args.seed)
-    random.Random(args.seed).shuffle(prompts)
-    dev_prompts = build_prompts(engine, dev_records, args.max_tokens, seed=args.seed)
-    engine.index_collection(dev_prompts + prompts)
-    examples = teach(engine, dev_prompts + prompts, 16)
-    dev, train_set = examples[:len(dev_prompts)], examples[len(dev_prompts):]
+    dev, train_set = training_examples(engine, args)
     soft = SoftTokens.from_text(engine, args.m)
     opt = torch.optim.AdamW(soft.parameters(), lr=args.lr, weight_decay=0.0)
     state_path, out = Path(args.out + ".state"), Path(args.out)
@@ -234,6 +199,7 @@ def main() -> None:
     t.add_argument("--dev-every", type=int, default=5)
     t.add_argument("--seed", type=int, default=5)
     t.add_argument("--out", required=True)
+    t.set_defaults(limit=None, dev=8, dev_orders=1, positions=16)  # the rest of `adapter train`'s data flags
     e = sub.add_parser("eval")
     e.add_argument("--data", action="append", required=True)
     e.add_argument("--limit", type=int, default=30)

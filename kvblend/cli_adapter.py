@@ -10,18 +10,40 @@ from pathlib import Path
 
 
 def cmd_train(settings, args) -> int:
-    from .engine.engine import Engine
-    from .eval.datasets import load_dataset
     from .eval.machine import cpu_name
     from .model.aliases import cache_dir
-    from .model.loader import load_model
-    from .model.weights import QUANTIZED
-    from .train.data import build_prompts, teach
     from .train.trainer import TrainConfig, train
 
     cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, rank=args.rank,
                       alpha=args.alpha, dev_every=args.dev_every, seed=args.seed, student=args.student,
                       init=args.init or "")
+    engine = training_engine(settings)
+    dev, train_set = training_examples(engine, args)
+    out = Path(args.out)
+    checkpoint = Path(args.checkpoint) if args.checkpoint else cache_dir() / "adapter-checkpoints" / f"{out.stem}.pt"
+    info = {"model": settings.model, "dtype": str(engine.model.dtype).removeprefix("torch."),
+            "data": [str(p) for p in args.data], "offset": args.offset, "prompts": len(train_set),
+            "dev_prompts": len(dev), "dev_data": [str(p) for p in args.dev_data or []],
+            "dev_offset": args.dev_offset, "dev_orders": args.dev_orders, "max_tokens": args.max_tokens,
+            "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d")}
+    print(f"training a chunk adapter for {settings.model} on {len(train_set)} prompts ({len(dev)} for dev); "
+          f"checkpoint {checkpoint}")
+    history = train(engine, train_set, dev, out, checkpoint, cfg, info)
+    print(json.dumps({"dev": [{k: v for k, v in d.items() if k != "per_prompt"} for d in history.dev],
+                      "best_step": history.best_step, "best_kl_answer": history.best_kl}, indent=1))
+    if history.best_step < 0:
+        print(f"no step beat the model without an adapter on the dev prompts: {out} was not written")
+        return 1
+    print(f"wrote {out}")
+    return 0
+
+
+def training_engine(settings):
+    """The engine an adapter trains in: chunk KV kept in memory, made with no other adapter."""
+    from .engine.engine import Engine
+    from .model.loader import load_model
+    from .model.weights import QUANTIZED
+
     # The engine that trains makes chunk KV with the adapter being trained, never with another one,
     # and keeps it in memory: the adapter changes every step, so its KV is of no use to a store.
     settings = settings.model_copy(update={"chunk_adapter": "none", "local_disk": None, "remote_url": None,
@@ -30,7 +52,14 @@ def cmd_train(settings, args) -> int:
     # product rounds its input); the adapter then serves with whichever format the engine loads.
     if settings.weights in QUANTIZED:
         raise ValueError(f"--weights {settings.weights}: adapters train through dense weights; leave it at auto")
-    engine = Engine(load_model(settings.model, settings.dtype, settings.device, settings.weights), settings)
+    return Engine(load_model(settings.model, settings.dtype, settings.device, settings.weights), settings)
+
+
+def training_examples(engine, args) -> tuple[list, list]:
+    """The dev and training prompts of `args` (the `adapter train` flags), each with its teacher."""
+    from .eval.datasets import load_dataset
+    from .train.data import build_prompts, teach
+
     records = [r for path in args.data for r in load_dataset(path, limit=args.limit, offset=args.offset)]
     dev_records = [r for path in args.dev_data or [] for r in load_dataset(path, limit=args.dev_limit,
                                                                            offset=args.dev_offset)]
@@ -51,23 +80,7 @@ def cmd_train(settings, args) -> int:
     engine.index_collection(dev_prompts + prompts)
     examples = teach(engine, dev_prompts + prompts, args.positions)
     dev, train_set = examples[:len(dev_prompts)], examples[len(dev_prompts):]
-    out = Path(args.out)
-    checkpoint = Path(args.checkpoint) if args.checkpoint else cache_dir() / "adapter-checkpoints" / f"{out.stem}.pt"
-    info = {"model": settings.model, "dtype": str(engine.model.dtype).removeprefix("torch."),
-            "data": [str(p) for p in args.data], "offset": args.offset, "prompts": len(train_set),
-            "dev_prompts": len(dev), "dev_data": [str(p) for p in args.dev_data or []],
-            "dev_offset": args.dev_offset, "dev_orders": args.dev_orders, "max_tokens": args.max_tokens,
-            "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d")}
-    print(f"training a chunk adapter for {settings.model} on {len(train_set)} prompts ({len(dev)} for dev); "
-          f"checkpoint {checkpoint}")
-    history = train(engine, train_set, dev, out, checkpoint, cfg, info)
-    print(json.dumps({"dev": [{k: v for k, v in d.items() if k != "per_prompt"} for d in history.dev],
-                      "best_step": history.best_step, "best_kl_answer": history.best_kl}, indent=1))
-    if history.best_step < 0:
-        print(f"no step beat the model without an adapter on the dev prompts: {out} was not written")
-        return 1
-    print(f"wrote {out}")
-    return 0
+    return dev, train_set
 
 
 def dev_orders(engine, records: list, max_tokens: int, seed: int, orders: int) -> list[list[int]]:

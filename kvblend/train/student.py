@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..model.adapter import ChunkAdapter
 from ..model.rotary import apply_rope
-from ..model.runner import Runner
+from ..model.runner import Rows, Runner
 
 
 @dataclass
@@ -81,20 +81,27 @@ def _encode_one(runner: Runner, adapter: ChunkAdapter | None, context: ExactKV, 
     block-diagonal pass over all of them would hold [N, N] per layer for the backward."""
     C, L, dev = context.n, len(lead), runner.device
     pos = torch.arange(C, C + L + len(chunk), device=dev)
-    rows = runner.rows(torch.tensor(lead + chunk, device=dev), pos)
-    k_pos = torch.cat([torch.arange(C, device=dev), pos])  # the context's rows, then the lead's and chunk's
+    ks, vs = encode_rows(runner, adapter, context, runner.rows(torch.tensor(lead + chunk, device=dev), pos), L)
+    return ks, vs, pos[L:]
+
+
+def encode_rows(runner: Runner, adapter: ChunkAdapter | None, context: ExactKV, rows: Rows,
+                skip: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`rows` (positions right after the context) through every layer over the context and
+    themselves, with the adapter: K, V per layer of all but their first `skip` rows."""
+    k_pos = torch.cat([torch.arange(context.n, device=runner.device), rows.pos])  # the context's, then the rows'
     ks, vs = [], []
     with runner.adapting(adapter):
         for layer in range(runner.n_layers):
             q, k, v = runner.qkv(layer, rows)
-            ks.append(k[:, L:])
-            vs.append(v[:, L:])
+            ks.append(k[:, skip:])
+            vs.append(v[:, skip:])
             if layer == runner.n_layers - 1:
                 break  # past the last layer's KV nothing of the chunk is read
-            mask = _mask(pos, k_pos, runner.windows[layer])
+            mask = _mask(rows.pos, k_pos, runner.windows[layer])
             keys, values = torch.cat([context.k[layer], k], 1), torch.cat([context.v[layer], v], 1)
             rows.h = runner.after_attention(layer, rows.h, _attend(runner, layer, q, keys, values, mask))
-    return ks, vs, pos[L:]
+    return ks, vs
 
 
 def move(runner: Runner, layer: int, k: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

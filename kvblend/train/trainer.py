@@ -77,7 +77,7 @@ def student_loss(engine: Engine, adapter: ChunkAdapter | None, ex: Example, stud
                  cfg: BlendConfig | None = None) -> torch.Tensor:
     """Mean KL over the answer positions of blend served with this adapter's chunk KV."""
     runner, cfg = engine.runner, cfg or engine.blend_cfg
-    T, E = len(ex.ids), exact_end(engine, ex)
+    E = exact_end(engine, ex)
     context_end = ex.seg.exact_end  # chunks are encoded after the prefix and its separator
     exact = exact_kv(runner, ex.ids[:E])
     context = ExactKV([k[:, :context_end] for k in exact.k], [v[:, :context_end] for v in exact.v])
@@ -89,13 +89,28 @@ def student_loss(engine: Engine, adapter: ChunkAdapter | None, ex: Example, stud
     ks, vs, enc_pos = encode(runner, adapter, context, chunks, [engine.keys.lead_ids(c) for c in chunks])
     target = torch.cat([torch.arange(a, b) for a, b in spans]).to(runner.device)
     moved = [move(runner, layer, k, target - enc_pos) for layer, k in enumerate(ks)]
+    return topk_kl(ex.logp, ex.idx, read_served(engine, ex, exact, moved, vs, target, student, cfg)).mean()
+
+
+def read_served(engine: Engine, ex: Example, exact: ExactKV, moved: list[torch.Tensor], vs: list[torch.Tensor],
+                target: torch.Tensor, student: str, cfg: BlendConfig,
+                chunk_rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The answer logits when the stored rows (K moved to `target`) are served: blend's selection
+    on the chunk rows, the rest read stale. `chunk_rows` [N] bool marks the stored rows that are a
+    chunk's tokens (default: all); any others are read stale and never recomputed."""
+    runner, T, E = engine.runner, len(ex.ids), exact.n
+    if chunk_rows is None:
+        chunk_rows = torch.ones(target.shape[0], dtype=torch.bool)
+    chunk_rows = chunk_rows.to(runner.device)
     blending = student == "blend" and any(r > 0 for r in cfg.ratios)
-    chosen = selected(engine, ex, exact, moved, vs, cfg) if blending else []
+    chosen = selected(engine, ex, exact, [m[:, chunk_rows] for m in moved], [v[:, chunk_rows] for v in vs],
+                      cfg) if blending else []
     # Rows the model computes: every row past E that is no stale chunk row, then the answer.
     stale = torch.zeros(T, dtype=torch.bool)
-    stale[target.cpu()] = True
+    stale[target[chunk_rows].cpu()] = True
     stale[chosen] = False
-    keep = stale[target.cpu()].to(runner.device)
+    keep = ~chunk_rows
+    keep[chunk_rows] = stale[target[chunk_rows].cpu()].to(runner.device)
     rows = [p for p in range(E, T) if not stale[p]]
     n = ex.n_positions
     ids = [ex.ids[p] for p in rows] + ex.answer[: n - 1]
@@ -103,9 +118,8 @@ def student_loss(engine: Engine, adapter: ChunkAdapter | None, ex: Example, stud
     # Blend computes its check candidates at layer 0, where it then counts stored KV as exact
     # (fusor.prefill); reuse damps stale keys at every layer.
     damp_from = 1 if blending and cfg.weight_by_attention and cfg.check_candidates else 0
-    logits = read(runner, exact, [m[:, keep] for m in moved], [v[:, keep] for v in vs], target[keep], ids, pos, n,
-                  cfg.stale_key_scale, damp_from)
-    return topk_kl(ex.logp, ex.idx, logits).mean()
+    return read(runner, exact, [m[:, keep] for m in moved], [v[:, keep] for v in vs], target[keep], ids, pos, n,
+                cfg.stale_key_scale, damp_from)
 
 
 @torch.no_grad()
