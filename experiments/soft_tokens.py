@@ -199,7 +199,7 @@ def main() -> None:
     t.add_argument("--dev-every", type=int, default=5)
     t.add_argument("--seed", type=int, default=5)
     t.add_argument("--out", required=True)
-    t.set_defaults(limit=None, dev=8, dev_orders=1, positions=16)  # the rest of `adapter train`'s data flags
+    t.set_defaults(limit=None, dev=8, orders=1, dev_orders=1, positions=16)  # the rest of `adapter train`'s data flags
     e = sub.add_parser("eval")
     e.add_argument("--data", action="append", required=True)
     e.add_argument("--limit", type=int, default=30)

@@ -24,7 +24,8 @@ def cmd_train(settings, args) -> int:
     info = {"model": settings.model, "dtype": str(engine.model.dtype).removeprefix("torch."),
             "data": [str(p) for p in args.data], "offset": args.offset, "prompts": len(train_set),
             "dev_prompts": len(dev), "dev_data": [str(p) for p in args.dev_data or []],
-            "dev_offset": args.dev_offset, "dev_orders": args.dev_orders, "max_tokens": args.max_tokens,
+            "orders": args.orders, "dev_offset": args.dev_offset, "dev_orders": args.dev_orders,
+            "max_tokens": args.max_tokens,
             "cpu": cpu_name(), "date": time.strftime("%Y-%m-%d")}
     print(f"training a chunk adapter for {settings.model} on {len(train_set)} prompts ({len(dev)} for dev); "
           f"checkpoint {checkpoint}")
@@ -64,10 +65,10 @@ def training_examples(engine, args) -> tuple[list, list]:
     dev_records = [r for path in args.dev_data or [] for r in load_dataset(path, limit=args.dev_limit,
                                                                            offset=args.dev_offset)]
     check_disjoint(records, dev_records)
-    prompts = build_prompts(engine, records, args.max_tokens, seed=args.seed)
+    prompts = prompt_orders(engine, records, args.max_tokens, args.seed, args.orders, "--orders")
     random.Random(args.seed).shuffle(prompts)
     if dev_records:  # the step is chosen on prompts like those served, not on a share of the training mix
-        dev_prompts = dev_orders(engine, dev_records, args.max_tokens, args.seed, args.dev_orders)
+        dev_prompts = prompt_orders(engine, dev_records, args.max_tokens, args.seed, args.dev_orders, "--dev-orders")
     else:
         if len(prompts) <= args.dev:
             raise ValueError(f"{len(prompts)} prompts fit in --max-tokens {args.max_tokens}: "
@@ -83,13 +84,16 @@ def training_examples(engine, args) -> tuple[list, list]:
     return dev, train_set
 
 
-def dev_orders(engine, records: list, max_tokens: int, seed: int, orders: int) -> list[list[int]]:
-    """Each dev record's prompt in `orders` passage orders (the same prompt once): a handful of
-    hard prompts sway a small dev set's mean, and which prompts are hard moves with the order."""
+def prompt_orders(engine, records: list, max_tokens: int, seed: int, orders: int,
+                  flag: str = "--orders") -> list[list[int]]:
+    """Each record's prompt in `orders` passage orders (the same prompt once), order i shuffled
+    with seed + i. For training, more prompts from the same documents: each order gives every
+    chunk other neighbours and positions. For dev, less noise: a handful of hard prompts sway a
+    small dev set's mean, and which prompts are hard moves with the order."""
     from .train.data import build_prompts
 
     if orders < 1:
-        raise ValueError(f"--dev-orders must be >= 1, got {orders}")
+        raise ValueError(f"{flag} must be >= 1, got {orders}")
     seen, prompts = set(), []
     for order in range(orders):
         for ids in build_prompts(engine, records, max_tokens, seed=seed + order):
@@ -118,6 +122,8 @@ def add_parser(sub, add_engine_flags):
                    help="questions over documents: CacheBlend .json, LongBench .jsonl or NQ-open .jsonl(.gz) (repeat)")
     t.add_argument("--offset", type=int, default=0, help="skip each file's first N records (keep them to report on)")
     t.add_argument("--limit", type=int, help="records of each file (default: all)")
+    t.add_argument("--orders", type=int, default=1,
+                   help="each --data record in this many passage orders (more prompts from the same documents)")
     t.add_argument("--max-tokens", type=int, default=1536, help="prompt length: passages beyond it are left out")
     t.add_argument("--dev", type=int, default=8,
                    help="prompts of --data kept aside to choose the best step on (without --dev-data)")

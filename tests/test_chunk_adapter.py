@@ -197,20 +197,20 @@ def test_dev_records_that_also_train_are_refused():
         check_disjoint(records[1:], records[:2])
 
 
-def test_dev_records_in_several_passage_orders_are_more_dev_prompts_each_once():
+def test_records_in_several_passage_orders_are_more_prompts_each_once():
     from serving import tiny_engine
 
-    from kvblend.cli_adapter import dev_orders
+    from kvblend.cli_adapter import prompt_orders
     from kvblend.eval.datasets import QA, RagRecord
 
     e = tiny_engine()
     records = [RagRecord(f"Question {i}?", ["x"], [f"Passage {i} {j} says something." for j in range(4)], "f1", QA)
                for i in range(3)]
     records.append(RagRecord("One passage?", ["x"], ["Only this passage."], "f1", QA))  # no second chunk: left out
-    one = dev_orders(e, records, 10_000, seed=0, orders=1)
-    three = dev_orders(e, records, 10_000, seed=0, orders=3)
+    one = prompt_orders(e, records, 10_000, seed=0, orders=1)
+    three = prompt_orders(e, records, 10_000, seed=0, orders=3)
     assert len(one) == 3 and three[:3] == one  # the first order is the one a single order gives
     assert len(three) == len({tuple(p) for p in three}) > 3  # other orders add prompts, never one twice
     assert all(sorted(p) in [sorted(q) for q in one] for p in three)  # the same passages, reordered
     with pytest.raises(ValueError, match="--dev-orders must be >= 1"):
-        dev_orders(e, records, 10_000, seed=0, orders=0)
+        prompt_orders(e, records, 10_000, seed=0, orders=0, flag="--dev-orders")
