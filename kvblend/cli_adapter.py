@@ -59,7 +59,7 @@ def training_engine(settings):
 def training_examples(engine, args) -> tuple[list, list]:
     """The dev and training prompts of `args` (the `adapter train` flags), each with its teacher."""
     from .eval.datasets import load_dataset
-    from .train.data import build_prompts, teach
+    from .train.data import teach
 
     records = [r for path in args.data for r in load_dataset(path, limit=args.limit, offset=args.offset)]
     dev_records = [r for path in args.dev_data or [] for r in load_dataset(path, limit=args.dev_limit,
