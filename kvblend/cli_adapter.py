@@ -16,7 +16,7 @@ def cmd_train(settings, args) -> int:
 
     cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, rank=args.rank,
                       alpha=args.alpha, dev_every=args.dev_every, seed=args.seed, student=args.student,
-                      init=args.init or "")
+                      init=args.init or "", low_memory_above=args.low_memory_above)
     engine = training_engine(settings)
     dev, train_set = training_examples(engine, args)
     out = Path(args.out)
@@ -145,6 +145,9 @@ def add_parser(sub, add_engine_flags):
     t.add_argument("--init", help="an adapter file to continue training from (its --rank and --alpha)")
     t.add_argument("--student", choices=["blend", "reuse"], default="blend",
                    help="train for blend at the configured ratio (default) or for plain reuse")
+    t.add_argument("--low-memory-above", type=int, default=3072,
+                   help="prompts longer than this (tokens) recompute chunk activations in the backward: "
+                        "a third more time, a fraction of the memory")
     t.add_argument("--out", required=True, help="the adapter file written (the dev prompts' best step)")
     t.add_argument("--checkpoint", help="resumable training state (default: in the kvblend cache, by --out's name)")
     return adapter

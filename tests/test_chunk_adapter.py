@@ -6,6 +6,7 @@ from dataclasses import replace
 import pytest
 import torch
 from tiny_models import tiny_model
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from kvblend.blend.segment import join_segments
 from kvblend.config import Settings
@@ -152,6 +153,34 @@ def test_the_student_computes_what_the_engine_serves(family, neighbours, tmp_pat
         assert student == pytest.approx(float(topk_kl(ex.logp, ex.idx, served).mean()), rel=0.05, abs=1e-7)
         assert ratio == 1.0 or student > 1e-4  # reused chunk KV is not full prefill's
     assert student == pytest.approx(0.0, abs=1e-6)  # ratio 1.0: full prefill
+
+
+def test_low_memory_training_gives_the_same_loss_and_gradient(monkeypatch):
+    """Chunk activations computed again in the backward, not kept: the same arithmetic."""
+    from kvblend.train import student
+
+    calls = []
+    monkeypatch.setattr(student, "checkpoint", lambda *a, **k: calls.append(1) or torch_checkpoint(*a, **k))
+    e = engine("qwen2")
+    ids = prompt(seed=5)
+    e.index_collection([ids, prompt(seed=6)])
+    ex = example(e, ids)
+    adapter = trained_like(e.model.config)
+    for p in e.model.hf.parameters():
+        p.requires_grad_(False)
+    grads = []
+    for low_memory in (False, True):
+        adapter.zero_grad(set_to_none=True)
+        loss = student_loss(e, adapter, ex, low_memory=low_memory)
+        loss.backward()
+        # The last layer's q and o deltas get no gradient: past its K and V nothing of a chunk is read.
+        grads.append((float(loss.detach()), [p.grad for p in adapter.parameters() if p.grad is not None]))
+    (kept, g_kept), (again, g_again) = grads
+    assert len(calls) == len(ex.seg.chunks) - 1  # each chunk after the exact first one, once
+    assert kept > 1e-4 and again == pytest.approx(kept, rel=1e-6)
+    assert len(g_kept) == len(g_again) and any(g.abs().sum() > 0 for g in g_kept)
+    for a, b in zip(g_kept, g_again):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
 
 
 def test_a_tiny_models_adapter_trains_lowers_its_kl_and_resumes(tmp_path, monkeypatch):

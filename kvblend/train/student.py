@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from ..model.adapter import ChunkAdapter
 from ..model.rotary import apply_rope
@@ -62,13 +63,20 @@ def _attend(runner: Runner, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
 
 
 def encode(runner: Runner, adapter: ChunkAdapter | None, context: ExactKV, chunks: list[list[int]],
-           leads: list[list[int]] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+           leads: list[list[int]] | None = None,
+           low_memory: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """Every chunk's K, V per layer ([Hkv, N, d] over the chunks' rows, concatenated) and the
     positions they were computed at: each chunk right after the context and its lead (its
     neighbours with separators, or nothing), alone with them, as encode_chunks does; the adapter
-    acts on the lead's and the chunk's rows."""
+    acts on the lead's and the chunk's rows. With `low_memory`, a chunk's activations are not kept
+    for the backward but computed again there, one chunk at a time: a 6k-token prompt's would
+    hold some 20 GB, its K and V alone a few hundred MB."""
     leads = leads or [[] for _ in chunks]
-    per_chunk = [_encode_one(runner, adapter, context, lead, c) for lead, c in zip(leads, chunks)]
+    if low_memory and torch.is_grad_enabled():
+        per_chunk = [checkpoint(_encode_one, runner, adapter, context, lead, c, use_reentrant=False)
+                     for lead, c in zip(leads, chunks)]
+    else:
+        per_chunk = [_encode_one(runner, adapter, context, lead, c) for lead, c in zip(leads, chunks)]
     ks = [torch.cat([k[layer] for k, _, _ in per_chunk], 1) for layer in range(runner.n_layers)]
     vs = [torch.cat([v[layer] for _, v, _ in per_chunk], 1) for layer in range(runner.n_layers)]
     return ks, vs, torch.cat([p for _, _, p in per_chunk])
