@@ -147,7 +147,7 @@ def add_parser(sub, add_engine_flags):
                    help="train for blend at the configured ratio (default) or for plain reuse")
     t.add_argument("--low-memory-above", type=int, default=3072,
                    help="prompts longer than this (tokens) recompute chunk activations in the backward: "
-                        "a third more time, a fraction of the memory")
+                        "one more forward of each chunk, a fraction of the memory")
     t.add_argument("--out", required=True, help="the adapter file written (the dev prompts' best step)")
     t.add_argument("--checkpoint", help="resumable training state (default: in the kvblend cache, by --out's name)")
     return adapter

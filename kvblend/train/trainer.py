@@ -46,7 +46,7 @@ class TrainConfig:
     # An adapter file to start from (its rank and alpha): training continues from its weights.
     init: str = ""
     # Prompts longer than this (tokens) compute each chunk's activations again in the backward
-    # instead of keeping them: about a third more time, and a 6k-token prompt fits in a few GB.
+    # instead of keeping them: one more forward of each chunk, and a 6k-token prompt fits in a few GB.
     low_memory_above: int = 3072
 
     def __post_init__(self):
