@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -72,11 +73,9 @@ def encode(runner: Runner, adapter: ChunkAdapter | None, context: ExactKV, chunk
     for the backward but computed again there, one chunk at a time: a 6k-token prompt's would
     hold some 20 GB, its K and V alone a few hundred MB."""
     leads = leads or [[] for _ in chunks]
-    if low_memory and torch.is_grad_enabled():
-        per_chunk = [checkpoint(_encode_one, runner, adapter, context, lead, c, use_reentrant=False)
-                     for lead, c in zip(leads, chunks)]
-    else:
-        per_chunk = [_encode_one(runner, adapter, context, lead, c) for lead, c in zip(leads, chunks)]
+    one = partial(checkpoint, _encode_one, use_reentrant=False) if low_memory and torch.is_grad_enabled() \
+        else _encode_one
+    per_chunk = [one(runner, adapter, context, lead, c) for lead, c in zip(leads, chunks)]
     ks = [torch.cat([k[layer] for k, _, _ in per_chunk], 1) for layer in range(runner.n_layers)]
     vs = [torch.cat([v[layer] for _, v, _ in per_chunk], 1) for layer in range(runner.n_layers)]
     return ks, vs, torch.cat([p for _, _, p in per_chunk])
