@@ -10,6 +10,7 @@ process.
 from __future__ import annotations
 
 import argparse
+import random
 import resource
 import time
 
@@ -20,7 +21,7 @@ from kvblend.cli_adapter import prompt_orders
 from kvblend.eval.datasets import load_dataset
 from kvblend.model.adapter import ChunkAdapter
 from kvblend.train.data import teach
-from kvblend.train.trainer import student_loss
+from kvblend.train.trainer import grad_chunks, student_loss
 
 
 def main() -> None:
@@ -28,6 +29,7 @@ def main() -> None:
     ap.add_argument("--data", required=True)
     ap.add_argument("--record", type=int, default=40, help="the record (keep 0-29 for reporting)")
     ap.add_argument("--low-memory", action="store_true", help="recompute chunk activations in the backward")
+    ap.add_argument("--grad-chunks", type=int, default=0, help="chunks the gradient reaches (0: all)")
     ap.add_argument("--adapter", required=True)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     args = ap.parse_args()
@@ -38,12 +40,14 @@ def main() -> None:
     adapter = ChunkAdapter.load(args.adapter)
     t0 = time.perf_counter()
     with torch.enable_grad():
-        loss = student_loss(engine, adapter, ex, low_memory=args.low_memory)
+        grad = grad_chunks(engine, ex, args.grad_chunks, random.Random(0))
+        loss = student_loss(engine, adapter, ex, low_memory=args.low_memory, grad=grad)
         t1 = time.perf_counter()
         loss.backward()
     t2 = time.perf_counter()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
-    print(f"{len(ex.ids)} tokens, low memory {args.low_memory}: forward {t1 - t0:.1f} s, backward {t2 - t1:.1f} s, "
+    print(f"{len(ex.ids)} tokens, low memory {args.low_memory}, gradient to {args.grad_chunks or 'all'} chunks: "
+          f"forward {t1 - t0:.1f} s, backward {t2 - t1:.1f} s, "
           f"peak RSS {peak:.1f} GB")
 
 

@@ -16,7 +16,8 @@ def cmd_train(settings, args) -> int:
 
     cfg = TrainConfig(steps=args.steps, batch=args.batch, lr=args.lr, warmup=args.warmup, rank=args.rank,
                       alpha=args.alpha, dev_every=args.dev_every, seed=args.seed, student=args.student,
-                      init=args.init or "", low_memory_above=args.low_memory_above)
+                      init=args.init or "", low_memory_above=args.low_memory_above,
+                      grad_chunks=args.grad_chunks)
     engine = training_engine(settings)
     dev, train_set = training_examples(engine, args)
     out = Path(args.out)
@@ -148,6 +149,9 @@ def add_parser(sub, add_engine_flags):
     t.add_argument("--low-memory-above", type=int, default=3072,
                    help="prompts longer than this (tokens) recompute chunk activations in the backward: "
                         "one more forward of each chunk, a fraction of the memory")
+    t.add_argument("--grad-chunks", type=int, default=0,
+                   help="chunks of each prompt the gradient reaches, drawn afresh each step (0: all); "
+                        "the others are encoded without autograd, so a long prompt's step costs less")
     t.add_argument("--out", required=True, help="the adapter file written (the dev prompts' best step)")
     t.add_argument("--checkpoint", help="resumable training state (default: in the kvblend cache, by --out's name)")
     return adapter

@@ -1,6 +1,7 @@
 """Chunk adapters: low-rank deltas used only while chunk KV is precomputed (kvblend/model/adapter.py),
 and their training by self-distillation (kvblend/train)."""
 
+import random
 from dataclasses import replace
 
 import pytest
@@ -181,6 +182,48 @@ def test_low_memory_training_gives_the_same_loss_and_gradient(monkeypatch):
     assert len(g_kept) == len(g_again) and any(g.abs().sum() > 0 for g in g_kept)
     for a, b in zip(g_kept, g_again):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_gradient_to_some_chunks_sums_to_the_whole_gradient():
+    """Chunks left out of the gradient are computed without autograd: the loss is the same, and
+    the gradients of a split of the chunks add up to the gradient through all of them."""
+    e = engine("qwen2")
+    ids = prompt(seed=5)
+    e.index_collection([ids, prompt(seed=6)])
+    ex = example(e, ids)
+    adapter = trained_like(e.model.config)
+    for p in e.model.hf.parameters():
+        p.requires_grad_(False)
+    n = len(ex.seg.chunks) - 1  # the stored chunks: all but the exact first one
+    assert n >= 2
+    runs = []
+    for grad in (None, set(range(0, n, 2)), set(range(1, n, 2))):
+        adapter.zero_grad(set_to_none=True)
+        loss = student_loss(e, adapter, ex, grad=grad)
+        loss.backward()
+        # The last layer's q and o deltas get no gradient: past its K and V nothing of a chunk is read.
+        runs.append((float(loss.detach()), [p.grad for p in adapter.parameters() if p.grad is not None]))
+    (whole, g), (even, g_even), (odd, g_odd) = runs
+    assert whole > 1e-4 and even == pytest.approx(whole, rel=1e-6) and odd == pytest.approx(whole, rel=1e-6)
+    assert len(g) == len(g_even) == len(g_odd)
+    assert any(not torch.equal(a, b) for a, b in zip(g_even, g))  # a part, not the whole
+    for a, b, c in zip(g, g_even, g_odd):
+        torch.testing.assert_close(b + c, a, rtol=1e-4, atol=1e-7)
+
+
+def test_the_chunks_a_step_trains_are_drawn_from_the_stored_ones():
+    from kvblend.train.trainer import grad_chunks
+
+    e = engine("qwen2")
+    ex = example(e, prompt(seed=5))
+    n = len(ex.seg.chunks) - 1
+    rng = random.Random(0)
+    assert grad_chunks(e, ex, 0, rng) is None and grad_chunks(e, ex, n, rng) is None  # all of them
+    drawn = [grad_chunks(e, ex, 1, rng) for _ in range(20)]
+    assert all(len(d) == 1 and d <= set(range(n)) for d in drawn)
+    assert len(set().union(*drawn)) > 1  # drawn afresh
+    with pytest.raises(ValueError, match="grad_chunks"):
+        TrainConfig(grad_chunks=-1)
 
 
 def test_a_tiny_models_adapter_trains_lowers_its_kl_and_resumes(tmp_path, monkeypatch):

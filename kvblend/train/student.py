@@ -65,17 +65,26 @@ def _attend(runner: Runner, layer: int, q: torch.Tensor, k: torch.Tensor, v: tor
 
 def encode(runner: Runner, adapter: ChunkAdapter | None, context: ExactKV, chunks: list[list[int]],
            leads: list[list[int]] | None = None,
-           low_memory: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+           low_memory: bool = False,
+           grad: set[int] | None = None) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
     """Every chunk's K, V per layer ([Hkv, N, d] over the chunks' rows, concatenated) and the
     positions they were computed at: each chunk right after the context and its lead (its
     neighbours with separators, or nothing), alone with them, as encode_chunks does; the adapter
     acts on the lead's and the chunk's rows. With `low_memory`, a chunk's activations are not kept
     for the backward but computed again there, one chunk at a time: a 6k-token prompt's would
-    hold some 20 GB, its K and V alone a few hundred MB."""
+    hold some 20 GB, its K and V alone a few hundred MB. `grad` names the chunks (indices) whose
+    KV the backward reaches (default: all); the others are computed without autograd, which costs
+    them no backward at all and leaves the forward, the loss, unchanged."""
     leads = leads or [[] for _ in chunks]
     one = partial(checkpoint, _encode_one, use_reentrant=False) if low_memory and torch.is_grad_enabled() \
         else _encode_one
-    per_chunk = [one(runner, adapter, context, lead, c) for lead, c in zip(leads, chunks)]
+    per_chunk = []
+    for i, (lead, c) in enumerate(zip(leads, chunks)):
+        if grad is None or i in grad:
+            per_chunk.append(one(runner, adapter, context, lead, c))
+        else:
+            with torch.no_grad():
+                per_chunk.append(_encode_one(runner, adapter, context, lead, c))
     ks = [torch.cat([k[layer] for k, _, _ in per_chunk], 1) for layer in range(runner.n_layers)]
     vs = [torch.cat([v[layer] for _, v, _ in per_chunk], 1) for layer in range(runner.n_layers)]
     return ks, vs, torch.cat([p for _, _, p in per_chunk])

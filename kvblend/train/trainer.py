@@ -48,10 +48,15 @@ class TrainConfig:
     # Prompts longer than this (tokens) compute each chunk's activations again in the backward
     # instead of keeping them: one more forward of each chunk, and a 6k-token prompt fits in a few GB.
     low_memory_above: int = 3072
+    # Chunks of a prompt that the gradient reaches, drawn afresh each step (0: all). The others are
+    # encoded without autograd: a long prompt's step costs its forward and these chunks' backward.
+    grad_chunks: int = 0
 
     def __post_init__(self):
         if self.student not in ("blend", "reuse"):
             raise ValueError(f"student must be 'blend' or 'reuse', got {self.student!r}")
+        if self.grad_chunks < 0:
+            raise ValueError(f"grad_chunks must be >= 0, got {self.grad_chunks}")
         for name in ("steps", "batch", "dev_every", "rank"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -77,8 +82,10 @@ def exact_end(engine: Engine, ex: Example) -> int:
 
 
 def student_loss(engine: Engine, adapter: ChunkAdapter | None, ex: Example, student: str = "blend",
-                 cfg: BlendConfig | None = None, low_memory: bool = False) -> torch.Tensor:
-    """Mean KL over the answer positions of blend served with this adapter's chunk KV."""
+                 cfg: BlendConfig | None = None, low_memory: bool = False,
+                 grad: set[int] | None = None) -> torch.Tensor:
+    """Mean KL over the answer positions of blend served with this adapter's chunk KV; `grad`
+    names the stored chunks (indices among those encoded) the gradient reaches (default: all)."""
     runner, cfg = engine.runner, cfg or engine.blend_cfg
     E = exact_end(engine, ex)
     context_end = ex.seg.exact_end  # chunks are encoded after the prefix and its separator
@@ -89,7 +96,8 @@ def student_loss(engine: Engine, adapter: ChunkAdapter | None, ex: Example, stud
         raise ValueError("a training prompt needs a chunk after the exact ones")
     chunks = [ex.ids[a:b] for a, b in spans]
     # Each chunk after its neighbour lead in the indexed collection, as the engine precomputes it.
-    ks, vs, enc_pos = encode(runner, adapter, context, chunks, [engine.keys.lead_ids(c) for c in chunks], low_memory)
+    ks, vs, enc_pos = encode(runner, adapter, context, chunks, [engine.keys.lead_ids(c) for c in chunks], low_memory,
+                         grad)
     target = torch.cat([torch.arange(a, b) for a, b in spans]).to(runner.device)
     moved = [move(runner, layer, k, target - enc_pos) for layer, k in enumerate(ks)]
     return topk_kl(ex.logp, ex.idx, read_served(engine, ex, exact, moved, vs, target, student, cfg)).mean()
@@ -210,7 +218,8 @@ def train(engine: Engine, train_set: list[Example], dev_set: list[Example], out:
         with torch.enable_grad():
             for ex in batch:
                 low_memory = len(ex.ids) > cfg.low_memory_above
-                loss = student_loss(engine, adapter, ex, cfg.student, low_memory=low_memory) / len(batch)
+                loss = student_loss(engine, adapter, ex, cfg.student, low_memory=low_memory,
+                                    grad=grad_chunks(engine, ex, cfg.grad_chunks, rng)) / len(batch)
                 loss.backward()
                 total += loss.item()
         torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
@@ -229,6 +238,12 @@ def train(engine: Engine, train_set: list[Example], dev_set: list[Example], out:
         bar.set_postfix(loss=f"{total:.4f}", dev=f"{history.dev[-1]['kl_answer']:.4f}")
         _save_checkpoint(checkpoint, adapter, opt, step + 1, history, cfg)
     return history
+
+
+def grad_chunks(engine: Engine, ex: Example, k: int, rng: random.Random) -> set[int] | None:
+    """k of the prompt's stored chunks, at random, for the gradient to reach (None: all)."""
+    n = sum(1 for s in ex.seg.chunks if s[0] >= exact_end(engine, ex))
+    return None if k == 0 or k >= n else set(rng.sample(range(n), k))
 
 
 def start_adapter(engine: Engine, cfg: TrainConfig, info: dict | None) -> ChunkAdapter:
