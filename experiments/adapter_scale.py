@@ -34,14 +34,20 @@ def scaled(path: str, s: float) -> ChunkAdapter:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--data", action="append", required=True, help="repeat; in the order dev prompts were built")
+    ap.add_argument("--data", action="append", default=[], help="repeat; in the order dev prompts were built")
     ap.add_argument("--offset", type=int, default=30, help="keep records 0-29 for reporting")
     ap.add_argument("--limit", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=8000, help="passages beyond it are left out")
     ap.add_argument("--scales", default="1,1.5,2", help="comma-separated; 0 is no adapter")
     ap.add_argument("--adapter", required=True)
+    ap.add_argument("--save", help="write the adapter at the one scale of --scales here (for kvblend eval) and stop")
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
     args = ap.parse_args()
+    if args.save:
+        scaled(args.adapter, float(args.scales)).save(args.save)
+        return
+    if not args.data:
+        ap.error("--data is needed to score (repeat it)")
     engine = make_engine(args.model)
     per_file = [load_dataset(p, limit=args.limit, offset=args.offset) for p in args.data]
     # One call over all records, as `adapter train --dev-data` builds them: the same prompts, so its
