@@ -246,6 +246,13 @@ def test_a_tiny_models_adapter_trains_lowers_its_kl_and_resumes(tmp_path, monkey
     assert len(again.steps) == 12
     with pytest.raises(ValueError, match="other settings"):
         train(e, examples, examples, out, checkpoint, replace(cfg, lr=1e-3), progress=False)
+    # A checkpoint from before a setting existed resumes where that setting is at its default.
+    state = torch.load(checkpoint, weights_only=False)
+    del state["config"]["grad_chunks"]
+    torch.save(state, checkpoint)
+    assert len(train(e, examples, examples, out, checkpoint, cfg, progress=False).steps) == 12
+    with pytest.raises(ValueError, match="other settings"):
+        train(e, examples, examples, out, checkpoint, replace(cfg, grad_chunks=1), progress=False)
     # Continued from the adapter it wrote: the start is scored as served and is the mark to beat.
     more = train(e, examples, examples, tmp_path / "b.safetensors", tmp_path / "b.pt",
                  replace(cfg, steps=2, lr=1e-4, init=str(out)), progress=False)

@@ -193,7 +193,8 @@ def train(engine: Engine, train_set: list[Example], dev_set: list[Example], out:
     history, start = History(), 0
     if checkpoint.is_file():
         state = torch.load(checkpoint, weights_only=False)
-        if state["config"] != asdict(cfg):
+        # A setting added since the checkpoint was made counts as its default: the run used it.
+        if {**asdict(TrainConfig()), **state["config"]} != asdict(cfg):
             raise ValueError(f"checkpoint {checkpoint} was made with other settings ({state['config']}); "
                              "remove it or train with those")
         adapter.load_state_dict(state["adapter"])
