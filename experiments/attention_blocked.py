@@ -2,7 +2,7 @@
 flash kernel's? At Qwen2.5-0.5B's shape (14 query heads, 2 KV heads of 64) in bf16: torch's
 causal SDPA against the same attention as blocks of bf16 matrix products (a block of query rows
 against every key up to it, softmax in fp32), and the softmax's own rate over one block's scores.
-Wall-clock, best of repeats, all threads:
+Wall-clock medians, all threads:
 
     python experiments/attention_blocked.py --lengths 1024,4096,8192
 """
@@ -10,20 +10,15 @@ Wall-clock, best of repeats, all threads:
 from __future__ import annotations
 
 import argparse
-import time
 
 import torch
 import torch.nn.functional as F
+from torch.utils.benchmark import Timer
 
 
-def best(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return min(times)
+def seconds(fn, min_run_time: float) -> float:
+    """Median wall-clock seconds of one call (torch.utils.benchmark: warm-up and blocked runs)."""
+    return Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
 
 
 def blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
@@ -45,7 +40,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", default="1024,4096,8192")
     ap.add_argument("--block", type=int, default=512)
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--min-run-time", type=float, default=2.0, help="seconds each timing runs at least")
     args = ap.parse_args()
     g, H, Hkv, d, dt = torch.Generator().manual_seed(0), 14, 2, 64, torch.bfloat16
     for T in (int(x) for x in args.lengths.split(",")):
@@ -54,11 +49,11 @@ def main() -> None:
         ref = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, enable_gqa=True)[0]
         err = (blocked(q, k, v, args.block).float() - ref.float()).abs().max().item()
         flops = 4 * H * d * T * T / 2
-        sdpa = best(lambda: F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
-                                                           enable_gqa=True), args.repeats)
-        mm = best(lambda: blocked(q, k, v, args.block), args.repeats)
+        sdpa = seconds(lambda: F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True,
+                                                           enable_gqa=True), args.min_run_time)
+        mm = seconds(lambda: blocked(q, k, v, args.block), args.min_run_time)
         scores = torch.randn(H, args.block, T, generator=g)
-        soft = best(lambda: torch.softmax(scores, -1), args.repeats)
+        soft = seconds(lambda: torch.softmax(scores, -1), args.min_run_time)
         print(f"{T} tokens: flash kernel {sdpa * 1e3:.0f} ms ({flops / sdpa / 1e12:.3f} TFLOP/s), "
               f"blocked products {mm * 1e3:.0f} ms ({flops / mm / 1e12:.3f}; max difference {err:.3f}); "
               f"softmax {scores.numel() / soft / 1e9:.2f} G scores/s", flush=True)

@@ -156,27 +156,32 @@ def test_the_student_computes_what_the_engine_serves(family, neighbours, tmp_pat
     assert student == pytest.approx(0.0, abs=1e-6)  # ratio 1.0: full prefill
 
 
+def training_setup():
+    """An engine whose chunks have neighbours, a prompt with its teacher, and an adapter to train."""
+    e = engine("qwen2")
+    ids = prompt(seed=5)
+    e.index_collection([ids, prompt(seed=6)])
+    for p in e.model.hf.parameters():
+        p.requires_grad_(False)
+    return e, example(e, ids), trained_like(e.model.config)
+
+
+def loss_and_grads(e, adapter, ex, **kw):
+    adapter.zero_grad(set_to_none=True)
+    loss = student_loss(e, adapter, ex, **kw)
+    loss.backward()
+    # The last layer's q and o deltas get no gradient: past its K and V nothing of a chunk is read.
+    return float(loss.detach()), [p.grad for p in adapter.parameters() if p.grad is not None]
+
+
 def test_low_memory_training_gives_the_same_loss_and_gradient(monkeypatch):
     """Chunk activations computed again in the backward, not kept: the same arithmetic."""
     from kvblend.train import student
 
     calls = []
     monkeypatch.setattr(student, "checkpoint", lambda *a, **k: calls.append(1) or torch_checkpoint(*a, **k))
-    e = engine("qwen2")
-    ids = prompt(seed=5)
-    e.index_collection([ids, prompt(seed=6)])
-    ex = example(e, ids)
-    adapter = trained_like(e.model.config)
-    for p in e.model.hf.parameters():
-        p.requires_grad_(False)
-    grads = []
-    for low_memory in (False, True):
-        adapter.zero_grad(set_to_none=True)
-        loss = student_loss(e, adapter, ex, low_memory=low_memory)
-        loss.backward()
-        # The last layer's q and o deltas get no gradient: past its K and V nothing of a chunk is read.
-        grads.append((float(loss.detach()), [p.grad for p in adapter.parameters() if p.grad is not None]))
-    (kept, g_kept), (again, g_again) = grads
+    e, ex, adapter = training_setup()
+    (kept, g_kept), (again, g_again) = [loss_and_grads(e, adapter, ex, low_memory=m) for m in (False, True)]
     assert len(calls) == len(ex.seg.chunks) - 1  # each chunk after the exact first one, once
     assert kept > 1e-4 and again == pytest.approx(kept, rel=1e-6)
     assert len(g_kept) == len(g_again) and any(g.abs().sum() > 0 for g in g_kept)
@@ -187,23 +192,11 @@ def test_low_memory_training_gives_the_same_loss_and_gradient(monkeypatch):
 def test_gradient_to_some_chunks_sums_to_the_whole_gradient():
     """Chunks left out of the gradient are computed without autograd: the loss is the same, and
     the gradients of a split of the chunks add up to the gradient through all of them."""
-    e = engine("qwen2")
-    ids = prompt(seed=5)
-    e.index_collection([ids, prompt(seed=6)])
-    ex = example(e, ids)
-    adapter = trained_like(e.model.config)
-    for p in e.model.hf.parameters():
-        p.requires_grad_(False)
+    e, ex, adapter = training_setup()
     n = len(ex.seg.chunks) - 1  # the stored chunks: all but the exact first one
     assert n >= 2
-    runs = []
-    for grad in (None, set(range(0, n, 2)), set(range(1, n, 2))):
-        adapter.zero_grad(set_to_none=True)
-        loss = student_loss(e, adapter, ex, grad=grad)
-        loss.backward()
-        # The last layer's q and o deltas get no gradient: past its K and V nothing of a chunk is read.
-        runs.append((float(loss.detach()), [p.grad for p in adapter.parameters() if p.grad is not None]))
-    (whole, g), (even, g_even), (odd, g_odd) = runs
+    (whole, g), (even, g_even), (odd, g_odd) = [loss_and_grads(e, adapter, ex, grad=grad) for grad in
+                                                (None, set(range(0, n, 2)), set(range(1, n, 2)))]
     assert whole > 1e-4 and even == pytest.approx(whole, rel=1e-6) and odd == pytest.approx(whole, rel=1e-6)
     assert len(g) == len(g_even) == len(g_odd)
     assert any(not torch.equal(a, b) for a, b in zip(g_even, g))  # a part, not the whole
