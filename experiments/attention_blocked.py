@@ -18,7 +18,8 @@ from torch.utils.benchmark import Timer
 
 def seconds(fn, min_run_time: float) -> float:
     """Median wall-clock seconds of one call (torch.utils.benchmark: warm-up and blocked runs)."""
-    return Timer("fn()", globals={"fn": fn}).blocked_autorange(min_run_time=min_run_time).median
+    timer = Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())  # its default is 1 thread
+    return timer.blocked_autorange(min_run_time=min_run_time).median
 
 
 def blocked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
