@@ -23,7 +23,6 @@ import copy
 import random
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from soft_tokens import make_engine
@@ -34,7 +33,7 @@ from kvblend.eval.datasets import load_dataset
 from kvblend.model.adapter import ChunkAdapter
 from kvblend.train.data import save_atomic, teach
 from kvblend.train.student import ExactKV, encode, exact_kv, move
-from kvblend.train.trainer import TrainConfig, dev_score, exact_end, lr_at
+from kvblend.train.trainer import TrainConfig, dev_score, lr_at, stored_spans
 
 
 def kv_loss(engine, adapter: ChunkAdapter, ids: list[int], n_chunks: int, rng: random.Random) -> torch.Tensor:
@@ -42,8 +41,7 @@ def kv_loss(engine, adapter: ChunkAdapter, ids: list[int], n_chunks: int, rng: r
     |K - K_full|^2 / |K_full|^2 + the same for V."""
     runner, seg = engine.runner, engine.segments(ids)
     full = exact_kv(runner, ids)
-    E = exact_end(engine, SimpleNamespace(seg=seg))
-    spans = [s for s in seg.chunks if s[0] >= E]
+    spans = stored_spans(engine, seg)
     spans = rng.sample(spans, min(n_chunks, len(spans)))
     C = seg.exact_end
     context = ExactKV([k[:, :C] for k in full.k], [v[:, :C] for v in full.v])

@@ -27,8 +27,7 @@ from kvblend.train.trainer import dev_score
 
 def scaled(path: str, s: float) -> ChunkAdapter:
     adapter = ChunkAdapter.load(path)
-    adapter.alpha *= s
-    adapter.scale = adapter.alpha / adapter.rank
+    adapter.alpha *= s  # the deltas' scale is alpha / rank
     return adapter
 
 

@@ -34,7 +34,7 @@ from kvblend.eval.harness import index_dataset, prompt_ids
 from kvblend.model.runner import Rows
 from kvblend.train.data import Example, save_atomic, teach
 from kvblend.train.student import ExactKV, encode_rows, exact_kv, move, topk_kl
-from kvblend.train.trainer import exact_end, read_served
+from kvblend.train.trainer import exact_end, read_served, stored_spans
 
 
 class SoftTokens(torch.nn.Module):
@@ -80,10 +80,10 @@ def student_logits(engine: Engine, soft: SoftTokens | None, ex: Example) -> torc
     """The answer logits of blend served with the soft rows stored around each chunk: they keep
     the chunk's move, so `pre` sits just before the chunk's place and `post` just after it."""
     runner = engine.runner
-    E = exact_end(engine, ex)
+    E = exact_end(engine, ex.seg)
     exact = exact_kv(runner, ex.ids[:E])
     context = ExactKV([k[:, :ex.seg.exact_end] for k in exact.k], [v[:, :ex.seg.exact_end] for v in exact.v])
-    spans = [s for s in ex.seg.chunks if s[0] >= E]
+    spans = stored_spans(engine, ex.seg)
     chunks = [ex.ids[a:b] for a, b in spans]
     leads = [engine.keys.lead_ids(c) for c in chunks]
     ks, vs, enc_pos, is_chunk = encode(runner, soft, context, chunks, leads)

@@ -45,7 +45,6 @@ class ChunkAdapter(torch.nn.Module):
         if rank < 1:
             raise AdapterError(f"adapter rank must be >= 1, got {rank}")
         self.n_layers, self.shapes, self.rank, self.alpha = n_layers, dict(shapes), rank, alpha
-        self.scale = alpha / rank
         self.info = dict(info or {})  # what it was trained for and on: kept in the file, not in the identity
         gen = torch.Generator().manual_seed(seed)
         self.a = torch.nn.ParameterDict()
@@ -64,6 +63,10 @@ class ChunkAdapter(torch.nn.Module):
     def for_model(cls, hf_config, rank: int = 8, alpha: float = 16.0, info: dict | None = None,
                   seed: int = 0) -> "ChunkAdapter":
         return cls(hf_config.num_hidden_layers, projection_shapes(hf_config), rank, alpha, info, seed)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
 
     def delta(self, layer: int, target: str, x: torch.Tensor) -> torch.Tensor:
         """What the adapter adds to projection `target` of `layer` for inputs x [n, in]."""

@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from ..blend.fusor import BlendConfig, prefill
 from ..blend.plan import ChunkRef, Plan
+from ..blend.segment import Segments
 from ..engine.engine import Engine
 from ..eval.harness import forced_logits
 from ..model.adapter import ChunkAdapter
@@ -72,13 +73,19 @@ class History:
     best_kl: float = math.inf
 
 
-def exact_end(engine: Engine, ex: Example) -> int:
+def exact_end(engine: Engine, seg: Segments) -> int:
     """Rows served exact: the prefix with its separator and, with exact_first_chunk, the first
     chunk with the separator after it (the engine's prefix cache holds it exact)."""
-    seps = ex.seg.separators
-    if engine.settings.exact_first_chunk and len(seps) > 1 and ex.seg.chunks:
+    seps = seg.separators
+    if engine.settings.exact_first_chunk and len(seps) > 1 and seg.chunks:
         return seps[1][1]
-    return ex.seg.exact_end
+    return seg.exact_end
+
+
+def stored_spans(engine: Engine, seg: Segments) -> list[tuple[int, int]]:
+    """The chunks served from stored KV: every chunk past the exact rows."""
+    E = exact_end(engine, seg)
+    return [s for s in seg.chunks if s[0] >= E]
 
 
 def student_loss(engine: Engine, adapter: ChunkAdapter | None, ex: Example, student: str = "blend",
@@ -87,11 +94,11 @@ def student_loss(engine: Engine, adapter: ChunkAdapter | None, ex: Example, stud
     """Mean KL over the answer positions of blend served with this adapter's chunk KV; `grad`
     names the stored chunks (indices among those encoded) the gradient reaches (default: all)."""
     runner, cfg = engine.runner, cfg or engine.blend_cfg
-    E = exact_end(engine, ex)
+    E = exact_end(engine, ex.seg)
     context_end = ex.seg.exact_end  # chunks are encoded after the prefix and its separator
     exact = exact_kv(runner, ex.ids[:E])
     context = ExactKV([k[:, :context_end] for k in exact.k], [v[:, :context_end] for v in exact.v])
-    spans = [s for s in ex.seg.chunks if s[0] >= E]
+    spans = stored_spans(engine, ex.seg)
     if not spans:
         raise ValueError("a training prompt needs a chunk after the exact ones")
     chunks = [ex.ids[a:b] for a, b in spans]
@@ -243,7 +250,7 @@ def train(engine: Engine, train_set: list[Example], dev_set: list[Example], out:
 
 def grad_chunks(engine: Engine, ex: Example, k: int, rng: random.Random) -> set[int] | None:
     """k of the prompt's stored chunks, at random, for the gradient to reach (None: all)."""
-    n = sum(1 for s in ex.seg.chunks if s[0] >= exact_end(engine, ex))
+    n = len(stored_spans(engine, ex.seg))
     return None if k == 0 or k >= n else set(rng.sample(range(n), k))
 
 
