@@ -111,9 +111,13 @@ def test_a_quantized_load_replaces_every_decoder_linear_and_keys_its_kv_apart(fo
     m32 = load_model(str(folder), dtype="float32", device="cpu")
     m4 = load_model(str(folder), dtype="float32", weights="int4", device="cpu")
     assert (m8.weights, m32.weights, m4.weights) == ("int8", "fp32", "int4")
-    for layer in m8.hf.model.layers:  # the MLP quantized, attention's projections dense
-        assert not any(isinstance(m, torch.nn.Linear) for m in layer.mlp.modules())
-        assert isinstance(layer.mlp.down_proj, Int8Linear) and type(layer.self_attn.q_proj) is torch.nn.Linear
+    for a, b in zip(m8.hf.model.layers, m4.hf.model.layers):
+        # int8: the MLP's gate and up projections; its down projection and attention's stay dense
+        assert isinstance(a.mlp.gate_proj, Int8Linear) and isinstance(a.mlp.up_proj, Int8Linear)
+        assert type(a.mlp.down_proj) is torch.nn.Linear and type(a.self_attn.q_proj) is torch.nn.Linear
+        # int4 (weights only): every MLP projection
+        assert not any(isinstance(m, torch.nn.Linear) for m in b.mlp.modules())
+        assert isinstance(b.mlp.down_proj, Int4Linear) and type(b.self_attn.q_proj) is torch.nn.Linear
     assert len({m8.fingerprint, m32.fingerprint, m4.fingerprint}) == 3
     # Dense weights are the dtype's: the fingerprint chunk KV was stored under before formats existed.
     assert m32.fingerprint == fingerprint(m32.hf.config, _weights_id(folder), torch.float32)

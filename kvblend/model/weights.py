@@ -10,8 +10,11 @@
 Only the decoder layers' MLP changes format (`QUANTIZED_PART`): it holds nine tenths of a layer's
 weights and products, while the attention projections, quantized too, carried most of the error
 (dev HotpotQA 36-46, Qwen2.5 0.5B: mean KL against fp32 0.0197 with every projection int8, 0.0085
-with the MLP alone). The embedding, the norms, attention and the output head keep the activation
-dtype. `auto` keeps dense weights (`auto_weights` says why).
+with the MLP alone). int8 leaves the MLP's down projection dense too (`DENSE_IN_MLP`): its input,
+silu(gate) * up, has outlier channels that one int8 scale per row rounds the rest away against
+(dev HotpotQA 30-59: KL 0.0074 with it int8, 0.0015 dense; bf16 0.0005). The embedding, the
+norms, attention and the output head keep the activation dtype. `auto` keeps dense weights
+(`auto_weights` says why).
 """
 
 from __future__ import annotations
@@ -40,10 +43,10 @@ def cpu_flags() -> set[str]:
 
 
 def auto_weights(dtype: torch.dtype) -> str:
-    """Dense weights in the activation dtype, on every device. int8 prefilled 1.08-1.11x faster than
-    bf16 on an AVX512-BF16 EPYC, and its layers run 5-7x fp32's rate where oneDNN has VNNI, but held
-    out (HotpotQA 0-29, Qwen2.5 0.5B) its full prefill changed the answer's entity on 3 of 30 prompts
-    against bf16's 0: it stays a format one asks for (docs/results.md#weight-formats)."""
+    """Dense weights in the activation dtype, on every device. int8 prefilled 1.11-1.30x faster than
+    bf16 on a Zen 4 EPYC (AVX512-BF16), and its layers run 5-7x fp32's rate where oneDNN has VNNI,
+    but held out (HotpotQA 0-29, Qwen2.5 0.5B) its full prefill changed the answer on 2 of 30
+    prompts against bf16's 0: it stays a format one asks for (docs/results.md#weight-formats)."""
     return dense_format(dtype)
 
 
@@ -136,6 +139,9 @@ class Int4Linear(torch.nn.Module):
 
 QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
 QUANTIZED_PART = "mlp"
+# Per quantized format, the MLP projections it leaves dense. int4 quantizes weights only, so its
+# activations keep their dtype and every projection can be 4-bit.
+DENSE_IN_MLP = {"int8": ("down_proj",), "int4": ()}
 
 
 def quantized_linear(weights: str, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -144,17 +150,17 @@ def quantized_linear(weights: str, weight: torch.Tensor, bias: torch.Tensor | No
     return QUANTIZED[weights](weight, bias, dtype)
 
 
-def quantized_paths(layer: torch.nn.Module) -> list[str]:
-    """The linear layers of one decoder layer that a quantized format replaces, by module path."""
+def quantized_paths(layer: torch.nn.Module, weights: str) -> list[str]:
+    """The linear layers of one decoder layer that format `weights` replaces, by module path."""
     return [f"{QUANTIZED_PART}.{n}" for n, m in layer.get_submodule(QUANTIZED_PART).named_modules()
-            if isinstance(m, torch.nn.Linear)]
+            if isinstance(m, torch.nn.Linear) and n.rpartition(".")[2] not in DENSE_IN_MLP[weights]]
 
 
 def quantize_layer(layer: torch.nn.Module, weights: str, dtype: torch.dtype) -> None:
     """Replace the decoder layer's quantized_paths by the format's module, in place."""
     if weights not in QUANTIZED:
         return
-    for path in quantized_paths(layer):
+    for path in quantized_paths(layer, weights):
         parent, _, attr = path.rpartition(".")
         lin = layer.get_submodule(path)
         setattr(layer.get_submodule(parent), attr, quantized_linear(weights, lin.weight, lin.bias, dtype))
