@@ -14,7 +14,8 @@ n_batch among `--n-batch` (all are tried in the first round of each length, the 
 
 TTFT is the time from the start of the prefill to the first token picked (greedy). Systems take
 turns within each round and the median of `--repeats` rounds is reported, so that on a shared
-machine they see the same load; compare ratios within one run.
+machine they see the same load; compare ratios within one run. `--weights auto,int8` times
+kvblend in a second weight format too, in the same rounds ("kvblend full (int8)").
 
     python benchmarks/llamacpp_bench.py --model qwen2.5-coder-0.5b-instruct \\
         --llama-python /tmp/llamacpp/v/bin/python --lengths 1024,4096,8192 --threads 2
@@ -109,6 +110,11 @@ def stored_prompts(engine: Engine, records, lengths: list[int]) -> list[list[int
     return prompts
 
 
+def open_engine(model: str, dtype: str, weights: str) -> Engine:
+    settings = load_settings(model=model, dtype=dtype, weights=weights)
+    return Engine(load_model(settings.model, settings.dtype, weights=settings.weights), settings)
+
+
 def gguf_of(model: str, gguf: str | None) -> Path | None:
     if gguf:
         return Path(gguf)
@@ -117,8 +123,9 @@ def gguf_of(model: str, gguf: str | None) -> Path | None:
 
 
 def measure_length(engine: Engine, llama: LlamaWorker | None, ids: list[int], repeats: int, n_batches: list[int],
-                   with_hf: bool) -> dict:
-    """Every system once per round, `repeats` rounds; llama.cpp tries each n_batch in round one."""
+                   with_hf: bool, others: dict[str, Engine] | None = None) -> dict:
+    """Every system once per round, `repeats` rounds; llama.cpp tries each n_batch in round one.
+    `others`: engines in more weight formats, by format, timed in the same rounds ("kvblend full (int8)")."""
     samples: dict[str, list[float]] = {}
     cpu: dict[str, list[float]] = {}
     tokens: dict[str, int] = {}
@@ -144,6 +151,9 @@ def measure_length(engine: Engine, llama: LlamaWorker | None, ids: list[int], re
                 add(LLAMA, llama.ttft(ids, best_batch))
         for mode in KVBLEND_MODES:
             add(f"kvblend {mode}", kvblend_ttft(engine, ids, mode))
+        for fmt, other in (others or {}).items():
+            for mode in KVBLEND_MODES:
+                add(f"kvblend {mode} ({fmt})", kvblend_ttft(other, ids, mode))
         if with_hf:
             add(HF, hf_ttft(engine, ids))
         print(f"  round {r + 1}: " + ", ".join(f"{k} {v[-1]:.3f}s (cpu {cpu[k][-1]:.1f}s)" for k, v in samples.items()),
@@ -164,6 +174,9 @@ def ratios(row: dict) -> dict:
     if LLAMA in t:
         for name in ("kvblend full", "kvblend prefix", "kvblend blend", HF):
             if name in t:
+                out[f"{LLAMA} / {name}"] = t[LLAMA] / t[name]
+        for name in t:  # the other weight formats' full and blend
+            if name.startswith(("kvblend full (", "kvblend blend (")):
                 out[f"{LLAMA} / {name}"] = t[LLAMA] / t[name]
     out["kvblend full / kvblend blend"] = t["kvblend full"] / t["kvblend blend"]
     if LLAMA in c:
@@ -224,7 +237,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="rounds per length, one number or one per length (e.g. 3,3,2); medians are reported")
     ap.add_argument("--n-batch", default="512,1024,2048", help="llama.cpp batch sizes to try (n_ubatch too)")
     ap.add_argument("--dtype", default="auto")
-    ap.add_argument("--weights", default="auto", help="weight format: auto, fp32, bf16, int8, int4")
+    ap.add_argument("--weights", default="auto",
+                    help="weight formats, comma-separated (auto, fp32, bf16, int8, int4): the first is kvblend's "
+                         "main row, each other one is timed in the same rounds")
     ap.add_argument("--no-hf", action="store_true", help="leave out transformers' forward")
     ap.add_argument("--out", type=Path, default=Path("results/llamacpp_bench.json"))
     ap.add_argument("--plot", type=Path, default=None, help="PNG path (default: --out with .png)")
@@ -239,11 +254,17 @@ def main(argv: list[str] | None = None) -> dict:
                  "--lengths and --n-batch non-empty and positive")
     torch.set_num_threads(args.threads)
 
-    settings = load_settings(model=args.model, dtype=args.dtype, weights=args.weights)
-    engine = Engine(load_model(settings.model, settings.dtype, weights=settings.weights), settings)
+    formats = [w.strip() for w in args.weights.split(",") if w.strip()]
+    engine, *rest = [open_engine(args.model, args.dtype, w) for w in formats or ["auto"]]
+    others = {e.model.weights: e for e in rest}
+    if engine.model.weights in others or len(others) < len(rest):
+        ap.error(f"--weights {args.weights} names one format twice (auto is {engine.model.weights} here)")
     if max(lengths) > engine.max_len:
         ap.error(f"--lengths up to {max(lengths)}: beyond the model's context of {engine.max_len} tokens")
     prompts = stored_prompts(engine, load_dataset(args.data, limit=20), lengths)
+    for other in others.values():
+        for ids in prompts:
+            other.precompute(ids)
 
     llama, gguf, skipped = None, gguf_of(args.model, args.gguf), None
     if args.llama_python is None:
@@ -261,16 +282,17 @@ def main(argv: list[str] | None = None) -> dict:
     if llama is not None:
         for b in n_batches:
             llama.ttft(warm, b)
-    for mode in KVBLEND_MODES:
-        kvblend_ttft(engine, warm, mode)
+    for e in (engine, *others.values()):
+        for mode in KVBLEND_MODES:
+            kvblend_ttft(e, warm, mode)
     if not args.no_hf:
         hf_ttft(engine, warm)
 
     import transformers
 
     systems = ([LLAMA] if llama is not None else []) + [f"kvblend {m}" for m in KVBLEND_MODES] + \
-        ([] if args.no_hf else [HF])
-    dtype = f"{str(engine.model.dtype).removeprefix('torch.')}, {engine.model.weights} weights"
+        [f"kvblend {m} ({f})" for f in others for m in KVBLEND_MODES] + ([] if args.no_hf else [HF])
+    dtype = f"{str(engine.model.dtype).removeprefix('torch.')}, {' and '.join([engine.model.weights, *others])} weights"
     cpu = cpu_name()
     plot_path = args.plot or args.out.with_suffix(".png")
     report = {"model": args.model, "gguf": str(gguf) if gguf else None, "dtype": dtype, "cpu": cpu,
@@ -281,7 +303,7 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for n, ids, reps in zip(lengths, prompts, repeats):
         print(f"length {n} ({len(ids)} tokens):", flush=True)
-        row = measure_length(engine, llama, ids, reps, n_batches, not args.no_hf)
+        row = measure_length(engine, llama, ids, reps, n_batches, not args.no_hf, others)
         row["ratios"] = ratios(row)
         report["rows"].append(row)
         # written after every length, so that a long run cut short keeps what it measured
