@@ -33,12 +33,12 @@ from pathlib import Path
 
 import torch
 
-from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
-from kvblend.model.loader import DEFAULT_MODEL, load_model, resolve_model_path
+from kvblend.model.loader import DEFAULT_MODEL, resolve_model_path
 from blend_phases import cpu_name  # this script's folder is on sys.path
 from long_prompts import prompt_of_length
+from weight_formats import open_engine
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 KVBLEND_MODES = ("full", "prefix", "blend")
@@ -108,11 +108,6 @@ def stored_prompts(engine: Engine, records, lengths: list[int]) -> list[list[int
     for ids in prompts:
         engine.precompute(ids)
     return prompts
-
-
-def open_engine(model: str, dtype: str, weights: str) -> Engine:
-    settings = load_settings(model=model, dtype=dtype, weights=weights)
-    return Engine(load_model(settings.model, settings.dtype, weights=settings.weights), settings)
 
 
 def gguf_of(model: str, gguf: str | None) -> Path | None:

@@ -30,9 +30,10 @@ from kvblend.model.loader import DEFAULT_MODEL, load_model
 DTYPE_OF = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-def open_engine(model: str, dtype: str, weights: str) -> Engine:
+def open_engine(model: str, dtype: str, weights: str, device: str = "auto", progress: bool = True) -> Engine:
+    """An engine on `model` with these dtype and weight settings (the llama.cpp benchmark's too)."""
     settings = load_settings(model=model, dtype=dtype, weights=weights)
-    return Engine(load_model(settings.model, settings.dtype, "cpu", settings.weights, progress=False), settings)
+    return Engine(load_model(settings.model, settings.dtype, device, settings.weights, progress=progress), settings)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -52,8 +53,9 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     records = load_dataset(args.data, limit=args.limit, offset=args.offset)
     everything = load_dataset(args.data)
-    ref_engine = open_engine(args.model, "float32", "fp32")
-    engines = {f: open_engine(args.model, DTYPE_OF.get(f, args.dtype), f) for f in args.formats.split(",")}
+    ref_engine = open_engine(args.model, "float32", "fp32", "cpu", progress=False)
+    engines = {f: open_engine(args.model, DTYPE_OF.get(f, args.dtype), f, "cpu", progress=False)
+               for f in args.formats.split(",")}
     for engine in (ref_engine, *engines.values()):
         index_dataset(engine, everything)
     modes = args.modes.split(",")
