@@ -22,7 +22,7 @@ import torch
 from .allocator import keep_freed_memory
 from .aliases import ALIASES, DEFAULT_MODEL, ModelLoadError, cache_dir, resolve_alias
 from .layer_loader import load_layerwise
-from .weights import DENSE_IN_MLP, QUANTIZED, WeightsError, cpu_flags, dense_format, quantize_layer, resolve_weights
+from .weights import QUANTIZED, WeightsError, cpu_flags, dense_format, format_key, quantize_layer, resolve_weights
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +96,7 @@ def fingerprint(config, weights_id: str, dtype: torch.dtype, weights: str | None
         cfg.pop(volatile, None)
     blob = json.dumps(cfg, sort_keys=True, default=str) + weights_id + str(dtype)
     if weights in QUANTIZED:
-        blob += f"weights={weights}"
-        if DENSE_IN_MLP[weights]:  # KV stored when int8 covered the whole MLP must not serve it now
-            blob += f" dense={','.join(DENSE_IN_MLP[weights])}"
+        blob += format_key(weights)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
