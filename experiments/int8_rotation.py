@@ -1,6 +1,6 @@
 """How much does a Hadamard rotation cut int8's error in the MLP's products? Real activations:
 fp32 full prefill of dev records, the input of each layer's gate/up and down products captured,
-then each product computed in int8 (weights per output channel, rows per row, as `Int8Linear`)
+then each product computed in int8 (weights per output channel, bf16 rows per row, as `Int8Linear`)
 with and without the block rotation, and in bf16, against the fp32 product. Prints the mean and
 worst relative error (Frobenius) over the layers; the rotation block is `Int8Linear`'s.
 
@@ -23,12 +23,14 @@ from kvblend.model.loader import load_model
 from kvblend.model.weights import hadamard, quantize_rows, rotate, rotation_block
 
 
-def int8_product(x: torch.Tensor, w: torch.Tensor, h: torch.Tensor | None) -> torch.Tensor:
-    """x W^T with W int8 per output channel and x int8 per row, both rotated by h first (if given)."""
+def int8_product(x: torch.Tensor, w: torch.Tensor, block: int) -> torch.Tensor:
+    """x W^T with W int8 per output channel and x int8 per row, both rotated first by Hadamard
+    blocks of `block` (0: not rotated), x in bf16 as the engine's bf16 activations are."""
+    h = hadamard(block) if block else None
     if h is not None:
-        w = rotate(w, h)
+        w = rotate(w, h) / block
     scale = w.abs().amax(1).clamp(min=1e-12) / 127
-    xq, xs = quantize_rows(x, x.shape[1], h)
+    xq, xs = quantize_rows(x.bfloat16(), x.shape[1], h)
     return (xq.float() @ (w / scale[:, None]).round().t()) * xs * scale
 
 
@@ -67,10 +69,10 @@ def main(argv: list[str] | None = None) -> dict:
         block = rotation_block(w.shape[1])
         for x in xs:
             ref = x @ w.t()
-            errors.setdefault(f"{product} int8", []).append(relative(int8_product(x, w, None), ref))
+            errors.setdefault(f"{product} int8", []).append(relative(int8_product(x, w, 0), ref))
             if block:
                 errors.setdefault(f"{product} int8 rotated ({block})", []).append(
-                    relative(int8_product(x, w, hadamard(block)), ref))
+                    relative(int8_product(x, w, block), ref))
             errors.setdefault(f"{product} bf16", []).append(relative((x.bfloat16() @ w.bfloat16().t()).float(), ref))
     print(f"{args.model}, {args.data} records {args.offset}-{args.offset + args.limit - 1}, "
           f"relative error of each MLP product against fp32 ({len(layers)} layers)")

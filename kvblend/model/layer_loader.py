@@ -62,7 +62,7 @@ def _quantize_from_files(prefix: str, layer: torch.nn.Module, files: dict[str, P
     """Build the layer's quantized linears straight from the files' (fp32) weights, so their dense
     tensors are never filled; the names of the parameters this covered."""
     covered = set()
-    for path in quantized_paths(layer):
+    for path in quantized_paths(layer, weights):
         lin = layer.get_submodule(path)
         names = [f"{prefix}.{path}.{p}" for p, t in lin.named_parameters() if t is not None]
         if not all(n in files for n in names):

@@ -4,7 +4,7 @@
 - `int8`: weights int8 per output channel, activations int8 per row, quantized at each call;
   products in int32 with `torch._int_mm` (VNNI where the CPU has it), after a Hadamard rotation.
   Rows are quantized alone and int32 sums are exact, so a row's output depends on the rows batched
-  with it only as far as the rotation's fp32 product does (not in whole decode blocks).
+  with it only as far as the rotation's product does (it rounds rows alike in whole decode blocks).
 - `int4`: weights 4-bit in groups of `INT4_GROUP` with a scale and zero each, activations left in
   their dtype (`torch._weight_int4pack_mm_for_cpu`): the smallest form, for memory, not for speed.
 
@@ -12,11 +12,11 @@ Only the decoder layers' MLP changes format (`QUANTIZED_PART`): it holds nine te
 weights and products, while the attention projections, quantized too, carried most of the error
 (dev HotpotQA 36-46, Qwen2.5 0.5B: mean KL against fp32 0.0197 with every projection int8, 0.0085
 with the MLP alone). int8 rotates each product's input and weights by a block Hadamard matrix
-first (`Int8Linear`): without it the down projection's input, silu(gate) * up, has outlier
-channels that one scale per row rounds the rest of the row away against (dev HotpotQA 30-59,
-against fp32 full prefill: the MLP in int8 KL 0.0074 unrotated, 0.0012 rotated; bf16 0.0005). The
-embedding, the norms, attention and the output head keep the activation dtype. `auto` keeps
-dense weights (`auto_weights` says why).
+first (`Int8Linear`), and leaves the down projection dense (`DENSE_IN_MLP`): its input,
+silu(gate) * up, has the strongest outlier channels. Chosen on dev HotpotQA 30-59, against fp32
+full prefill: gate and up int8 KL 0.0015 unrotated, 0.0010 rotated (rows rotated in fp32
+then); the whole MLP 0.0074 and 0.0012; bf16 0.0005. The embedding, the norms, attention and the output head keep the activation
+dtype. `auto` keeps dense weights (`auto_weights` says why).
 """
 
 from __future__ import annotations
@@ -75,11 +75,11 @@ def resolve_weights(weights: str, device: torch.device, dtype: torch.dtype) -> s
 
 
 def hadamard(n: int) -> torch.Tensor:
-    """The orthonormal n x n Hadamard matrix (Sylvester's construction; n a power of two)."""
+    """Sylvester's n x n matrix of +-1 with H H^T = n I (n a power of two): exact in any dtype."""
     h = torch.ones(1, 1)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)])
-    return h / n ** 0.5
+    return h
 
 
 def rotation_block(in_features: int) -> int:
@@ -90,36 +90,39 @@ def rotation_block(in_features: int) -> int:
 def rotate(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
     """x [n, in] times the block-diagonal matrix of h's along its input, in x's dtype."""
     n, d = x.shape
-    return (x.view(n, d // h.shape[0], h.shape[0]) @ h).view(n, d)
+    return (x.view(n, d // h.shape[0], h.shape[0]) @ h.to(x.dtype)).view(n, d)
 
 
-def quantize_rows(x: torch.Tensor, in_features: int, h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [..., in] (rotated by `rotate` with h, where given) -> int8 rows [n, in] and their fp32
-    scales [n, 1] (symmetric, per row). In fp32 throughout: torch's mixed-dtype and inf-norm paths
-    measured 4-5x slower than these."""
-    x2 = x.reshape(-1, in_features).to(torch.float32, copy=True)  # never the caller's tensor
+def quantize_rows(x: torch.Tensor, in_features: int,
+                  h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., in] (rotated by `rotate` with h first, where given, in x's dtype) -> int8 rows
+    [n, in] and their fp32 scales [n, 1] (symmetric, per row). In fp32 from there: torch's
+    mixed-dtype and inf-norm paths measured 4-5x slower than these."""
+    x2 = x.reshape(-1, in_features)
     if h is not None:
         x2 = rotate(x2, h)
+    x2 = x2.to(torch.float32, copy=h is None)  # never the caller's tensor
     scale = x2.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12).div_(127)
     return x2.div_(scale).round_().to(torch.int8), scale
 
 
 class Int8Linear(torch.nn.Module):
     """y = x W^T + b with W int8 per output channel and x int8 per row (dynamic), both first
-    rotated by the same block-diagonal Hadamard matrix H along the input: (x H)(W H)^T = x W^T,
-    and the rotation spreads a row's outlier channels over its block, so one scale per row
-    rounds the rest less (relative error of Qwen2.5 0.5B's gate and up products on two HotpotQA
-    prompts: 0.0133 -> 0.0083; its down projection's 0.046 -> 0.011; bf16 0.003;
-    experiments/int8_rotation.py)."""
+    rotated by the same block-diagonal Hadamard matrix H along the input: (x H)(W H / b)^T = x W^T
+    for blocks of b, and the rotation spreads a row's outlier channels over its block, so one
+    scale per row rounds the rest less (relative error of Qwen2.5 0.5B's gate and up products on
+    two HotpotQA prompts: 0.0133 -> 0.0083; its down projection's 0.046 -> 0.011; bf16 0.003;
+    experiments/int8_rotation.py). The rows rotate in the activation dtype: H's entries are +-1,
+    and bf16's product took a third of fp32's time for the same error."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype):
         super().__init__()
         w = weight.detach().float()
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         block = rotation_block(self.in_features)
-        self.register_buffer("h", hadamard(block) if block else None)
+        self.register_buffer("h", hadamard(block).to(dtype) if block else None)
         if block:
-            w = rotate(w, self.h)
+            w = rotate(w, hadamard(block)) / block
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
         # [in, out], contiguous in the layout _int_mm reads fastest.
         self.register_buffer("qweight_t", (w / scale[:, None]).round().to(torch.int8).t().contiguous())
@@ -174,14 +177,21 @@ class Int4Linear(torch.nn.Module):
 
 QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
 QUANTIZED_PART = "mlp"
+# Per quantized format, the MLP projections it leaves dense. int8's down projection gained about
+# 1 ms a layer over bf16 on Qwen2.5 0.5B (1,024 rows: its 4,864-wide input costs as much to rotate
+# and quantize as its product saves) for most of int8's error; int4 quantizes weights only.
+DENSE_IN_MLP = {"int8": ("down_proj",), "int4": ()}
 
 
 def format_key(weights: str) -> str:
-    """What a quantized format computes, for the model fingerprint: when it changes (the rotation),
-    chunk KV stored under the old form stops serving the new."""
+    """What a quantized format computes, for the model fingerprint: when it changes (which
+    projections, the rotation), chunk KV stored under the old form stops serving the new."""
+    key = f"weights={weights}"
+    if DENSE_IN_MLP[weights]:
+        key += f" dense={','.join(DENSE_IN_MLP[weights])}"
     if weights == "int8":
-        return f"weights=int8 hadamard={','.join(map(str, ROTATION_BLOCKS))}"
-    return f"weights={weights}"
+        key += f" hadamard={','.join(map(str, ROTATION_BLOCKS))}"
+    return key
 
 
 def quantized_linear(weights: str, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -190,17 +200,17 @@ def quantized_linear(weights: str, weight: torch.Tensor, bias: torch.Tensor | No
     return QUANTIZED[weights](weight, bias, dtype)
 
 
-def quantized_paths(layer: torch.nn.Module) -> list[str]:
-    """The linear layers of one decoder layer that a quantized format replaces, by module path."""
+def quantized_paths(layer: torch.nn.Module, weights: str) -> list[str]:
+    """The linear layers of one decoder layer that format `weights` replaces, by module path."""
     return [f"{QUANTIZED_PART}.{n}" for n, m in layer.get_submodule(QUANTIZED_PART).named_modules()
-            if isinstance(m, torch.nn.Linear)]
+            if isinstance(m, torch.nn.Linear) and n.rpartition(".")[2] not in DENSE_IN_MLP[weights]]
 
 
 def quantize_layer(layer: torch.nn.Module, weights: str, dtype: torch.dtype) -> None:
     """Replace the decoder layer's quantized_paths by the format's module, in place."""
     if weights not in QUANTIZED:
         return
-    for path in quantized_paths(layer):
+    for path in quantized_paths(layer, weights):
         parent, _, attr = path.rpartition(".")
         lin = layer.get_submodule(path)
         setattr(layer.get_submodule(parent), attr, quantized_linear(weights, lin.weight, lin.bias, dtype))
