@@ -15,8 +15,8 @@ with the MLP alone). int8 rotates each product's input and weights by a block Ha
 first (`Int8Linear`), and leaves the down projection dense (`DENSE_IN_MLP`): its input,
 silu(gate) * up, has the strongest outlier channels. Chosen on dev HotpotQA 30-59, against fp32
 full prefill: gate and up int8 KL 0.0015 unrotated, 0.0010 rotated (rows rotated in fp32
-then); the whole MLP 0.0074 and 0.0012; bf16 0.0005. The embedding, the norms, attention and the output head keep the activation
-dtype. `auto` keeps dense weights (`auto_weights` says why).
+then); the whole MLP 0.0074 and 0.0012; bf16 0.0005. The embedding, the norms, attention and
+the output head keep the activation dtype. `auto` keeps dense weights (`auto_weights` says why).
 """
 
 from __future__ import annotations
