@@ -46,10 +46,11 @@ def cpu_flags() -> set[str]:
 
 
 def auto_weights(dtype: torch.dtype) -> str:
-    """Dense weights in the activation dtype, on every device. int8 prefilled 1.04-1.28x faster than
+    """Dense weights in the activation dtype, on every device. int8 prefilled 1.05-1.24x faster than
     bf16 on a Zen 4 EPYC (AVX512-BF16), and its layers run 5-7x fp32's rate where oneDNN has VNNI,
-    but held out (HotpotQA 0-29, Qwen2.5 0.5B) its full prefill changed the answer on 2 of 30
-    prompts against bf16's 0: it stays a format one asks for (docs/results.md#weight-formats)."""
+    but held out (Qwen2.5 0.5B, records 0-29) its full prefill named another entity on 3 of 30
+    MuSiQue answers against bf16's 1 (HotpotQA: 0 and 0): it stays a format one asks for
+    (docs/results.md#weight-formats)."""
     return dense_format(dtype)
 
 
