@@ -13,8 +13,8 @@ from .config import Settings
 HELP = {
     "model": "model name, HF folder or .gguf file (default smollm2-135m-instruct)",
     "dtype": "compute dtype (auto: bfloat16 where the CPU has bf16 products, else float32)",
-    "weights": "how the decoder layers hold their weights: fp32, bf16, int8 (the MLP in int8 products, "
-               "Hadamard-rotated) or int4 (auto: dense, in the --dtype)",
+    "weights": "how the decoder layers hold their weights: fp32, bf16, int8 (the MLP's gate and up in int8 "
+               "products, Hadamard-rotated) or int4 (auto: dense, in the --dtype)",
     "device": "where the model runs",
     "max_model_len": "longest prompt plus answer, in tokens (default: the model's context)",
     "mode": "how a prompt is prefilled: full, prefix (exact prefix cache), reuse or blend",
