@@ -123,7 +123,7 @@ class Int8Linear(torch.nn.Module):
         block = rotation_block(self.in_features)
         self.register_buffer("h", hadamard(block).to(dtype) if block else None)
         if block:
-            w = rotate(w, hadamard(block)) / block
+            w = rotate(w, self.h) / block  # +-1 entries: exact in any dtype
         scale = w.abs().amax(dim=1).clamp(min=1e-12) / 127
         # [in, out], contiguous in the layout _int_mm reads fastest.
         self.register_buffer("qweight_t", (w / scale[:, None]).round().to(torch.int8).t().contiguous())
