@@ -5,7 +5,8 @@ fp32 full (kl_answer, top1_agree, greedy answers that differ) on dev records.
 Otherwise: bf16, int8 as shipped, and int8 with the `--dense` layer lists' gate and up taken back
 from the bf16 engine, on the same prompts.
 
-    python experiments/int8_dense_layers.py --data ../shared/data/hotpotqa_s.dev.json --offset 30 --limit 8 --sensitivity
+    python experiments/int8_dense_layers.py --data ../shared/data/hotpotqa_s.dev.json --offset 30 --limit 8 \\
+        --sensitivity
     python experiments/int8_dense_layers.py --data ../shared/data/hotpotqa_s.dev.json --offset 38 --limit 22 \\
         --dense 7,14,9,12 --dense 7,14,9,12,6,2
 """
