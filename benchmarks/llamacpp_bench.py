@@ -35,10 +35,10 @@ import torch
 
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
+from kvblend.eval.harness import open_engine
 from kvblend.model.loader import DEFAULT_MODEL, resolve_model_path
 from blend_phases import cpu_name  # this script's folder is on sys.path
 from long_prompts import prompt_of_length
-from weight_formats import open_engine
 
 WORKER = Path(__file__).with_name("llamacpp_worker.py")
 KVBLEND_MODES = ("full", "prefix", "blend")

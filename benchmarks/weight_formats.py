@@ -20,20 +20,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvblend.config import load_settings
-from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
-from kvblend.eval.harness import REFERENCE_CAPACITY, greedy, index_dataset, prompt_ids, scored, teacher_forced
+from kvblend.eval.harness import (REFERENCE_CAPACITY, greedy, index_dataset, open_engine, prompt_ids, scored,
+                                  teacher_forced)
 from kvblend.eval.report import differing_answers
-from kvblend.model.loader import DEFAULT_MODEL, load_model
+from kvblend.model.loader import DEFAULT_MODEL
 
 DTYPE_OF = {"fp32": "float32", "bf16": "bfloat16"}
-
-
-def open_engine(model: str, dtype: str, weights: str, device: str = "auto", progress: bool = True) -> Engine:
-    """An engine on `model` with these dtype and weight settings (the llama.cpp benchmark's too)."""
-    settings = load_settings(model=model, dtype=dtype, weights=weights)
-    return Engine(load_model(settings.model, settings.dtype, device, settings.weights, progress=progress), settings)
 
 
 def main(argv: list[str] | None = None) -> dict:

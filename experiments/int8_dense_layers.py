@@ -19,19 +19,12 @@ import statistics
 import torch
 from tqdm import tqdm
 
-from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
-from kvblend.eval.harness import REFERENCE_CAPACITY, greedy, prompt_ids, scored, teacher_forced
-from kvblend.model.loader import load_model
+from kvblend.eval.harness import REFERENCE_CAPACITY, greedy, open_engine, prompt_ids, scored, teacher_forced
 from kvblend.model.weights import quantize_layer
 
 PRODUCTS = ("gate_proj", "up_proj")  # what int8 replaces
-
-
-def engine(model: str, dtype: str, weights: str) -> Engine:
-    settings = load_settings(model=model, dtype=dtype, weights=weights)
-    return Engine(load_model(settings.model, settings.dtype, "cpu", settings.weights, progress=False), settings)
 
 
 def references(ref: Engine, records: list) -> list[tuple]:
@@ -64,8 +57,8 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     torch.set_num_threads(2)
     records = load_dataset(args.data, offset=args.offset, limit=args.limit)
-    refs = references(engine(args.model, "float32", "fp32"), records)
-    bf16 = engine(args.model, "bfloat16", "bf16")
+    refs = references(open_engine(args.model, "float32", "fp32", "cpu", progress=False), records)
+    bf16 = open_engine(args.model, "bfloat16", "bf16", "cpu", progress=False)
     base = score(bf16, refs)
     print(f"bf16: kl_answer {statistics.mean(r['kl_answer'] for r in base):.5f}")
     if args.sensitivity:
@@ -78,14 +71,14 @@ def main(argv: list[str] | None = None) -> None:
             print(f"layer {i} alone in int8: kl_answer {kl:.5f}", flush=True)
         return
     runs = {"bf16": base}
-    int8 = engine(args.model, "bfloat16", "int8")
+    int8 = open_engine(args.model, "bfloat16", "int8", "cpu", progress=False)
     runs["int8"] = score(int8, refs)
     for spec in args.dense:
         for i in map(int, spec.split(",")):
             for n in PRODUCTS:  # the bf16 engine's modules: read-only, shared
                 setattr(int8.runner.layers[i].mlp, n, getattr(bf16.runner.layers[i].mlp, n))
         runs[f"int8, dense {spec}"] = score(int8, refs)
-        int8 = engine(args.model, "bfloat16", "int8")
+        int8 = open_engine(args.model, "bfloat16", "int8", "cpu", progress=False)
     print("| against fp32 full | kl_answer | top1_agree | answers that differ |\n| --- | ---: | ---: | ---: |")
     for label, rows in runs.items():
         print(f"| {label} | {statistics.mean(r['kl_answer'] for r in rows):.5f} "

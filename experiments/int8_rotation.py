@@ -15,11 +15,8 @@ import statistics
 
 import torch
 
-from kvblend.config import load_settings
-from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
-from kvblend.eval.harness import prompt_ids
-from kvblend.model.loader import load_model
+from kvblend.eval.harness import open_engine, prompt_ids
 from kvblend.model.weights import hadamard, quantize_rows, rotate, rotation_block
 
 
@@ -47,8 +44,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
-    settings = load_settings(model=args.model, dtype="float32", weights="fp32")
-    engine = Engine(load_model(settings.model, settings.dtype, "cpu", settings.weights, progress=False), settings)
+    engine = open_engine(args.model, "float32", "fp32", "cpu", progress=False)
     layers = engine.runner.layers
     inputs: dict[tuple[int, str], list[torch.Tensor]] = {}
 

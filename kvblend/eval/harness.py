@@ -17,7 +17,9 @@ from tqdm import tqdm
 
 from ..blend.fusor import PrefillOutput
 from ..blend.segment import rag_prompt_ids
+from ..config import load_settings
 from ..engine.engine import Engine
+from ..model.loader import load_model
 from .datasets import RagRecord
 from .metrics import gold_score, kl_divergence, rouge_l
 
@@ -40,6 +42,12 @@ def variants(modes: list[str], ratios: list[float]) -> list[Variant]:
         elif mode != "full":
             out.append(Variant(mode))
     return out
+
+
+def open_engine(model: str, dtype: str, weights: str, device: str = "auto", progress: bool = True) -> Engine:
+    """An engine on `model` with these dtype and weight settings (benchmarks and experiments)."""
+    settings = load_settings(model=model, dtype=dtype, weights=weights)
+    return Engine(load_model(settings.model, settings.dtype, device, settings.weights, progress=progress), settings)
 
 
 def prompt_ids(engine: Engine, record: RagRecord) -> list[int]:
