@@ -42,8 +42,10 @@ def cmd_train(settings, args) -> int:
 
 def training_engine(settings):
     """The engine an adapter trains in: chunk KV kept in memory, made with no other adapter."""
+    import torch
+
     from .engine.engine import Engine
-    from .model.loader import load_model
+    from .model.loader import auto_device, auto_dtype, load_model
     from .model.weights import QUANTIZED
 
     # The engine that trains makes chunk KV with the adapter being trained, never with another one,
@@ -54,7 +56,10 @@ def training_engine(settings):
     # product rounds its input); the adapter then serves with whichever format the engine loads.
     if settings.weights in QUANTIZED:
         raise ValueError(f"--weights {settings.weights}: adapters train through dense weights; leave it at auto")
-    return Engine(load_model(settings.model, settings.dtype, settings.device, settings.weights), settings)
+    dtype = auto_dtype(settings.dtype, auto_device(settings.device))
+    # weights=auto picks int8 for some models where activations are bf16 (weights.auto_weights).
+    weights = "bf16" if settings.weights == "auto" and dtype == torch.bfloat16 else settings.weights
+    return Engine(load_model(settings.model, dtype, settings.device, weights), settings)
 
 
 def training_examples(engine, args) -> tuple[list, list]:

@@ -9,6 +9,7 @@ from kvblend.blend.segment import join_segments
 from kvblend.config import Settings
 from kvblend.engine.engine import Engine
 from kvblend.model import weights as weight_formats
+from kvblend.model.aliases import int8_checked
 from kvblend.model.loader import ModelLoadError, fingerprint, load_model
 from kvblend.model.mapped_embedding import MappedEmbedding
 from kvblend.model.runner import DECODE_ROW_BLOCK
@@ -72,11 +73,25 @@ def test_int4_linear_is_close_to_the_dense_product():
         Int4Linear(torch.randn(8, 100), None, torch.float32)
 
 
-def test_auto_keeps_dense_weights_in_the_activation_dtype():
+def test_auto_keeps_dense_weights_in_the_activation_dtype(monkeypatch):
+    monkeypatch.setattr(weight_formats, "cpu_flags", lambda: {"avx2"})
     assert resolve_weights("auto", CPU, torch.bfloat16) == "bf16"
     assert resolve_weights("auto", CPU, torch.float32) == "fp32"
+    assert resolve_weights("auto", CPU, torch.bfloat16, int8_checked=True) == "bf16"
     assert resolve_weights("auto", torch.device("cuda"), torch.float16) == "fp16"
     assert resolve_weights("int8", CPU, torch.bfloat16) == "int8"
+
+
+def test_auto_picks_int8_for_a_checked_model_where_int8_pays(monkeypatch):
+    monkeypatch.setattr(weight_formats, "cpu_flags", lambda: {"avx2", "avx512_bf16", "avx512_vnni"})
+    assert resolve_weights("auto", CPU, torch.bfloat16, int8_checked=True) == "int8"
+    assert resolve_weights("auto", CPU, torch.bfloat16) == "bf16"  # a model nobody checked in int8
+    assert resolve_weights("auto", CPU, torch.float32, int8_checked=True) == "fp32"  # measured in bf16 only
+    assert resolve_weights("auto", torch.device("cuda"), torch.bfloat16, int8_checked=True) == "bf16"
+    assert not weight_formats.int8_pays({"avx512_bf16", "avx512_vnni", "amx_bf16"})  # not measured on AMX
+    assert not weight_formats.int8_pays({"avx512_vnni"})  # no bf16: fp32 activations, not measured
+    assert int8_checked("qwen2.5-coder-1.5b-instruct") and not int8_checked("qwen2.5-coder-0.5b-instruct")
+    assert not int8_checked("/some/model.gguf")
 
 
 def test_formats_that_cannot_run_are_refused():
@@ -149,6 +164,18 @@ def test_a_quantized_load_replaces_every_decoder_linear_and_keys_its_kv_apart(fo
     ids = torch.arange(1, 30)[None]
     ref = m32.hf(ids).logits
     assert (m8.hf(ids).logits - ref).norm() / ref.norm() < 0.05
+
+
+def test_auto_int8_reaches_the_loader_and_adapter_training_keeps_dense_weights(folder, monkeypatch):
+    from kvblend.cli_adapter import training_engine
+    from kvblend.model import loader
+
+    monkeypatch.setattr(weight_formats, "cpu_flags", lambda: {"avx512_bf16", "avx512_vnni"})
+    monkeypatch.setattr(loader, "int8_checked", lambda name: name == str(folder))
+    assert load_model(str(folder), dtype="bfloat16", device="cpu").weights == "int8"
+    # Gradients cannot flow through int8 products: training loads the dense form of `auto`.
+    monkeypatch.setattr("kvblend.engine.engine.Engine", lambda model, settings: model)
+    assert training_engine(Settings(model=str(folder), dtype="bfloat16", device="cpu")).weights == "bf16"
 
 
 def test_the_int8_fingerprint_names_what_int8_computes(folder, monkeypatch):

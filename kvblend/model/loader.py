@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .allocator import keep_freed_memory
-from .aliases import ALIASES, DEFAULT_MODEL, ModelLoadError, cache_dir, resolve_alias
+from .aliases import ALIASES, DEFAULT_MODEL, ModelLoadError, cache_dir, int8_checked, resolve_alias
 from .layer_loader import load_layerwise
 from .weights import QUANTIZED, WeightsError, cpu_flags, dense_format, format_key, quantize_layer, resolve_weights
 
@@ -186,7 +186,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     dev = auto_device(device)
     dt = auto_dtype(dtype, dev)
     try:
-        fmt = resolve_weights(weights, dev, dt)
+        fmt = resolve_weights(weights, dev, dt, int8_checked(name))
     except WeightsError as e:
         raise ModelLoadError(str(e)) from e
     weights_id = weights_identity(path)

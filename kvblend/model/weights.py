@@ -16,7 +16,8 @@ first (`Int8Linear`), and leaves the down projection dense (`DENSE_IN_MLP`): its
 silu(gate) * up, has the strongest outlier channels. Chosen on dev HotpotQA 30-59, against fp32
 full prefill: gate and up int8 KL 0.0015 unrotated, 0.0010 rotated (rows rotated in fp32
 then); the whole MLP 0.0074 and 0.0012; bf16 0.0005. The embedding, the norms, attention and
-the output head keep the activation dtype. `auto` keeps dense weights (`auto_weights` says why).
+the output head keep the activation dtype. `auto` keeps dense weights except where
+`auto_weights` picks int8.
 """
 
 from __future__ import annotations
@@ -45,25 +46,36 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def auto_weights(dtype: torch.dtype) -> str:
-    """Dense weights in the activation dtype, on every device. int8 prefilled 1.05-1.24x faster than
-    bf16 on a Zen 4 EPYC (AVX512-BF16), and its layers run 5-7x fp32's rate where oneDNN has VNNI,
-    but held out (Qwen2.5 0.5B, records 0-29) its full prefill named another entity on 3 of 30
-    MuSiQue answers against bf16's 1 (HotpotQA: 0 and 0): it stays a format one asks for
-    (docs/results.md#weight-formats)."""
+def auto_weights(dtype: torch.dtype, device: torch.device, int8_checked: bool = False) -> str:
+    """Dense weights in the activation dtype, except int8 for a model whose int8 full prefill held
+    its answers on held-out records (`int8_checked`), on a CPU where int8 pays (`int8_pays`). On
+    Qwen2.5 1.5B int8 named another entity than fp32 full's on 1 of 30 held-out HotpotQA and 1 of 30
+    MuSiQue answers (bf16: 2 and 1); on the 0.5B on 0 and 3 (bf16: 0 and 1), so the 0.5B stays
+    dense (docs/results.md#weight-formats)."""
+    if int8_checked and device.type == "cpu" and dtype == torch.bfloat16 and int8_pays():
+        return "int8"
     return dense_format(dtype)
+
+
+def int8_pays(flags: set[str] | None = None) -> bool:
+    """Where int8 was measured faster than bf16: bf16 products on AVX512-BF16 (AMX's bf16 tiles were
+    not measured against it) and int8 ones on AVX512-VNNI. Full prefill in int8 ran 1.21-1.24x
+    bf16's on Qwen2.5 1.5B on a Zen 4 EPYC, and 1.08-1.11x on the 0.5B on an EPYC with full-width
+    AVX512-BF16 (the whole MLP int8 then)."""
+    flags = cpu_flags() if flags is None else flags
+    return {"avx512_bf16", "avx512_vnni"} <= flags and "amx_bf16" not in flags
 
 
 def dense_format(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
-def resolve_weights(weights: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_weights(weights: str, device: torch.device, dtype: torch.dtype, int8_checked: bool = False) -> str:
     """The format to load: `auto` by auto_weights, a named one checked against device and dtype."""
     if weights not in WEIGHTS:
         raise WeightsError(f"unknown weights {weights!r}; choose {', '.join(WEIGHTS)}")
     if weights == "auto":
-        return auto_weights(dtype)
+        return auto_weights(dtype, device, int8_checked)
     if weights in QUANTIZED and device.type != "cpu":
         raise WeightsError(f"weights={weights} has CPU kernels only; use bf16 on {device.type}")
     if weights in QUANTIZED and dtype not in (torch.float32, torch.bfloat16):
