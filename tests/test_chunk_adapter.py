@@ -13,7 +13,7 @@ from kvblend.blend.segment import join_segments
 from kvblend.config import Settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.harness import forced_logits, greedy, teacher_forced
-from kvblend.model.adapter import AdapterError, ChunkAdapter, resolve_adapter
+from kvblend.model.adapter import AdapterError, ChunkAdapter, resolve_adapter, shipped_adapter_path
 from kvblend.train.data import Example, teach
 from kvblend.train.student import topk_kl
 from kvblend.train.trainer import TrainConfig, student_loss, train
@@ -75,6 +75,18 @@ def test_bad_adapter_files_are_clear_errors(tmp_path):
     with pytest.raises(AdapterError, match="does not fit"):
         resolve_adapter(str(tmp_path / "other.safetensors"), "tiny", tiny_model("llama").config)
     assert resolve_adapter("auto", "a-model-with-none-shipped", tiny_model("llama").config) is None
+
+
+def test_adapters_ship_for_the_qwen_instruct_model_only():
+    """`auto` finds the 0.5B's adapter, a file that reads whole and names its model; SmolLM2 and
+    Gemma 3 keep precomputing with the model alone (no adapter of theirs won on held-out records)."""
+    path = shipped_adapter_path("qwen2.5-coder-0.5b-instruct")
+    assert path is not None
+    adapter = ChunkAdapter.load(path)
+    assert adapter.info["model"] == "qwen2.5-coder-0.5b-instruct" and adapter.n_layers == 24
+    assert any(bool(b.abs().sum() > 0) for b in adapter.b.values())  # trained: not the identity
+    for alias in ("smollm2-135m-instruct", "gemma3-270m", "qwen2.5-coder-1.5b-instruct"):
+        assert shipped_adapter_path(alias) is None
 
 
 @pytest.fixture

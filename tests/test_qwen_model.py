@@ -12,6 +12,7 @@ import torch
 
 from kvblend import LLM, SamplingParams
 from kvblend.blend.fusor import BlendConfig
+from kvblend.engine.engine import Engine
 from kvblend.model.rotary import check_rerotation
 
 pytestmark = pytest.mark.real_model
@@ -81,6 +82,22 @@ def test_blend_one_equals_full_and_zero_equals_reuse(llm, rag):
     assert reuse.stats.reused_tokens > 0 and torch.equal(zero.logits, reuse.logits)
     assert torch.equal(zero.cache.k, reuse.cache.k)
     assert not torch.allclose(reuse.logits, full.logits, atol=1e-2)  # reuse really is approximate
+
+
+def test_the_shipped_chunk_adapter_makes_its_chunk_kv_and_none_turns_it_off(llm, rag):
+    """By default the model's shipped adapter precomputes its chunks, and its identity is in their
+    keys; `chunk_adapter="none"` stores the model's own chunk KV under other keys."""
+    engine = llm.engine
+    assert engine.adapter is not None and engine.keys.adapter == engine.adapter.identity
+    ids = rag[2]
+    seg = engine.segments(ids)
+    chunk, context = ids[seg.chunks[1][0]:seg.chunks[1][1]], engine.keys.context_ids(ids, seg)
+    off = Engine(engine.model, engine.settings.model_copy(update={"chunk_adapter": "none"}))
+    try:
+        assert off.adapter is None and off.keys.adapter == ""
+        assert off.keys.chunk_key(chunk, context) != engine.keys.chunk_key(chunk, context)
+    finally:
+        off.close()
 
 
 def test_greedy_chat_equals_transformers_generate(llm):
