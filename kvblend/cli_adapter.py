@@ -85,7 +85,7 @@ def training_examples(engine, args) -> tuple[list, list]:
                          f"{args.max_tokens}: need some of each")
     # The prompts' chunks are the collection: each is trained after its neighbour in it, as served.
     engine.index_collection(dev_prompts + prompts)
-    examples = teach(engine, dev_prompts + prompts, args.positions)
+    examples = teach(engine, dev_prompts + prompts, args.positions, root=args.teacher_dir)
     dev, train_set = examples[:len(dev_prompts)], examples[len(dev_prompts):]
     return dev, train_set
 
@@ -159,4 +159,6 @@ def add_parser(sub, add_engine_flags):
                         "the others are encoded without autograd, so a long prompt's step costs less")
     t.add_argument("--out", required=True, help="the adapter file written (the dev prompts' best step)")
     t.add_argument("--checkpoint", help="resumable training state (default: in the kvblend cache, by --out's name)")
+    t.add_argument("--teacher-dir", help="where the teacher's outputs are kept (default: the kvblend cache); "
+                   "beside --checkpoint, a run resumed on another machine does not compute them again")
     return adapter

@@ -269,6 +269,28 @@ def test_a_tiny_models_adapter_trains_lowers_its_kl_and_resumes(tmp_path, monkey
         train(e, examples, examples, out, tmp_path / "c.pt", replace(cfg, rank=8, init=str(out)), progress=False)
 
 
+def test_teacher_outputs_kept_in_a_folder_of_ones_own_are_read_back_not_recomputed(tmp_path, monkeypatch):
+    """--teacher-dir: a folder carried with a checkpoint to another machine spares its teacher."""
+    import shutil
+
+    import kvblend.train.data as data
+
+    monkeypatch.setenv("KVBLEND_CACHE_DIR", str(tmp_path / "cache"))
+    e = engine("qwen2")
+    prompts = [prompt(seed=s) for s in range(2)]
+    first = teach(e, prompts, positions=4, progress=False, root=tmp_path / "teacher")
+    assert not (tmp_path / "cache" / "adapter-teacher").exists()
+    assert len(list((tmp_path / "teacher" / e.model.fingerprint).glob("*.pt"))) == 2
+    shutil.copytree(tmp_path / "teacher", tmp_path / "carried")
+
+    def no_teacher(*a, **k):
+        raise AssertionError("the teacher was computed again")
+    monkeypatch.setattr(data, "full_answer", no_teacher)
+    again = teach(e, prompts, positions=4, progress=False, root=tmp_path / "carried")
+    for a, b in zip(first, again):
+        assert a.answer == b.answer and torch.equal(a.logp, b.logp) and torch.equal(a.idx, b.idx)
+
+
 def test_dev_records_that_also_train_are_refused():
     from types import SimpleNamespace
 

@@ -58,13 +58,17 @@ def build_prompts(engine: Engine, records: list[RagRecord], max_tokens: int, min
     return prompts
 
 
-def teacher_dir(engine: Engine) -> Path:
-    return cache_dir() / "adapter-teacher" / engine.model.fingerprint
+def teacher_dir(engine: Engine, root: str | Path | None = None) -> Path:
+    """Where a model's teacher outputs are kept: under `root` (default: the kvblend cache), by the
+    model's fingerprint (its dtype and weight format included), so no other model reads them."""
+    return Path(root or cache_dir() / "adapter-teacher") / engine.model.fingerprint
 
 
-def teach(engine: Engine, prompts: list[list[int]], positions: int = 16, progress: bool = True) -> list[Example]:
-    """Each prompt with its teacher outputs, computed once (full prefill, no adapter) and cached."""
-    where = teacher_dir(engine)
+def teach(engine: Engine, prompts: list[list[int]], positions: int = 16, progress: bool = True,
+          root: str | Path | None = None) -> list[Example]:
+    """Each prompt with its teacher outputs, computed once (full prefill, no adapter) and kept in
+    teacher_dir(engine, root)."""
+    where = teacher_dir(engine, root)
     where.mkdir(parents=True, exist_ok=True)
     out = []
     for ids in tqdm(prompts, desc="teacher", disable=not progress):
