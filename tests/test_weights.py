@@ -11,7 +11,7 @@ from kvblend.engine.engine import Engine
 from kvblend.model import weights as weight_formats
 from kvblend.model.aliases import int8_checked
 from kvblend.model.loader import ModelLoadError, fingerprint, load_model
-from kvblend.model.mapped_embedding import MappedEmbedding
+from kvblend.model.file_embedding import FileEmbedding
 from kvblend.model.runner import DECODE_ROW_BLOCK
 from kvblend.model.weights import Int4Linear, Int8Linear, WeightsError, hadamard, resolve_weights, rotation_block
 
@@ -120,30 +120,35 @@ def test_the_layer_by_layer_loader_gives_transformers_weights(folder):
         model = load_model(str(folder), dtype=dtype, device="cpu").hf
         ref = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()
         ours, theirs = model.state_dict(), ref.state_dict()
-        # The untied input embedding is read from the file's pages, not loaded.
-        assert isinstance(model.get_input_embeddings(), MappedEmbedding)
+        # The untied input embedding is read from the file row by row, not loaded.
+        assert isinstance(model.get_input_embeddings(), FileEmbedding)
         assert ours.keys() == theirs.keys() - {"model.embed_tokens.weight"}
         assert all(torch.equal(ours[k], theirs[k]) for k in ours)
         assert torch.equal(model.get_input_embeddings()(ids), ref.get_input_embeddings()(ids))
         assert torch.equal(model(ids).logits, ref(ids).logits)
 
 
-def test_an_embedding_is_mapped_only_where_that_is_exact(folder, tmp_path):
+def test_an_embedding_is_read_from_its_file_only_where_that_is_exact(folder, tmp_path):
     from safetensors.torch import save_file
 
-    from kvblend.model.mapped_embedding import map_embedding, mapped_table
+    from safetensors import safe_open
+
+    from kvblend.model.file_embedding import embed_from_file, file_rows
 
     path = folder / "model.safetensors"
-    table = mapped_table(path, "model.embed_tokens.weight")
+    table = file_rows(path, "model.embed_tokens.weight")
     assert table is not None and table.dtype == torch.float32
-    assert mapped_table(path, "no.such.tensor") is None
+    with safe_open(path, framework="pt") as f:
+        whole = f.get_tensor("model.embed_tokens.weight")
+    assert torch.equal(table.rows([5, 0, 5, whole.shape[0] - 1]), whole[[5, 0, 5, -1]])
+    assert file_rows(path, "no.such.tensor") is None
     save_file({"e": torch.zeros(4, 4, dtype=torch.int8)}, tmp_path / "int8.safetensors")
-    assert mapped_table(tmp_path / "int8.safetensors", "e") is None  # a dtype not read here
-    assert map_embedding(tiny_hf("qwen2"), path, "model.embed_tokens.weight", torch.float32)
+    assert file_rows(tmp_path / "int8.safetensors", "e") is None  # a dtype not read here
+    assert embed_from_file(tiny_hf("qwen2"), path, "model.embed_tokens.weight", torch.float32)
     tied = tiny_hf("qwen2", tie_word_embeddings=True)
-    assert not map_embedding(tied, path, "model.embed_tokens.weight", torch.float32)  # the head reads every row
+    assert not embed_from_file(tied, path, "model.embed_tokens.weight", torch.float32)  # the head reads every row
     gemma = tiny_hf("gemma3")
-    assert not map_embedding(gemma, path, "model.embed_tokens.weight", torch.float32)  # it scales its rows
+    assert not embed_from_file(gemma, path, "model.embed_tokens.weight", torch.float32)  # it scales its rows
 
 
 def test_a_quantized_load_replaces_every_decoder_linear_and_keys_its_kv_apart(folder):

@@ -6,8 +6,8 @@ resident until the end, so a bf16 0.5B model peaked near 4 GB to hold 1.3. Here 
 with empty (untouched, so not resident) tensors, each tensor is copied in from a file opened for
 that tensor or for a block of its rows and closed again, and a quantized layer's linears are built
 from the files' weights, their dense tensors never filled: the peak stays near the loaded model
-plus one tensor. An untied input embedding is not loaded at all but read from the file's pages
-(mapped_embedding.py).
+plus one tensor. An untied input embedding is not loaded at all but read from the file row by row
+(file_embedding.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from .mapped_embedding import map_embedding
+from .file_embedding import embed_from_file
 from .weights import QUANTIZED, quantized_linear, quantized_paths
 
 BLOCK_BYTES = 64 << 20  # a large tensor (embedding, output head) is read in blocks of rows this big
@@ -91,7 +91,7 @@ def load_layerwise(folder: Path, config, dtype: torch.dtype, weights: str,
     if {id(params[n]) for n in files if n in params} != {id(p) for p in params.values()}:
         return None
     embed = next(n for n, p in params.items() if p is hf.get_input_embeddings().weight)
-    if map_embedding(hf, files[embed], embed, dtype):
+    if embed_from_file(hf, files[embed], embed, dtype):
         params.pop(embed)
     by_layer: dict[int, list[str]] = defaultdict(list)
     for name in params:
