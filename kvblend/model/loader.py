@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .allocator import keep_freed_memory
+from .allocator import bound_kernel_caches, keep_freed_memory
 from .aliases import ALIASES, DEFAULT_MODEL, ModelLoadError, cache_dir, int8_checked, resolve_alias
 from .layer_loader import load_layerwise
 from .weights import QUANTIZED, WeightsError, cpu_flags, dense_format, format_key, quantize_layer, resolve_weights
@@ -195,6 +195,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     check_architecture(config, name)
     if dev.type == "cpu":
         keep_freed_memory()
+        bound_kernel_caches()
     hf = load_layerwise(folder, config, dt, fmt, progress) if dev.type == "cpu" else None
     if hf is None:  # .bin weights, names transformers maps itself, or a GPU: transformers' loader
         hf = _load_whole(folder, dt, fmt)
