@@ -58,10 +58,11 @@ def auto_weights(dtype: torch.dtype, device: torch.device, int8_checked: bool = 
 
 
 def int8_pays(flags: set[str] | None = None) -> bool:
-    """Where int8 was measured faster than bf16: bf16 products on AVX512-BF16 (AMX's bf16 tiles were
-    not measured against it) and int8 ones on AVX512-VNNI. Full prefill in int8 ran 1.21-1.24x
-    bf16's on Qwen2.5 1.5B on a Zen 4 EPYC, and 1.08-1.11x on the 0.5B on an EPYC with full-width
-    AVX512-BF16 (the whole MLP int8 then)."""
+    """Where int8 was measured faster than bf16: bf16 products on AVX512-BF16 and int8 ones on
+    AVX512-VNNI. Full prefill in int8 ran 1.21-1.24x bf16's on Qwen2.5 1.5B on a Zen 4 EPYC, and
+    1.08-1.11x on the 0.5B on an EPYC with full-width AVX512-BF16 (the whole MLP int8 then). Not
+    with AMX: oneDNN runs bf16 on its tiles and torch's int8 product does not, and int8 full
+    prefill took 1.23-1.37x bf16's time on the 0.5B on an AMX Xeon."""
     flags = cpu_flags() if flags is None else flags
     return {"avx512_bf16", "avx512_vnni"} <= flags and "amx_bf16" not in flags
 
