@@ -129,9 +129,8 @@ def test_the_layer_by_layer_loader_gives_transformers_weights(folder):
 
 
 def test_an_embedding_is_read_from_its_file_only_where_that_is_exact(folder, tmp_path):
-    from safetensors.torch import save_file
-
     from safetensors import safe_open
+    from safetensors.torch import save_file
 
     from kvblend.model.file_embedding import embed_from_file, file_rows
 
@@ -144,7 +143,10 @@ def test_an_embedding_is_read_from_its_file_only_where_that_is_exact(folder, tmp
     assert file_rows(path, "no.such.tensor") is None
     save_file({"e": torch.zeros(4, 4, dtype=torch.int8)}, tmp_path / "int8.safetensors")
     assert file_rows(tmp_path / "int8.safetensors", "e") is None  # a dtype not read here
-    assert embed_from_file(tiny_hf("qwen2"), path, "model.embed_tokens.weight", torch.float32)
+    hf = tiny_hf("qwen2")
+    assert embed_from_file(hf, path, "model.embed_tokens.weight", torch.float32)
+    with pytest.raises(IndexError, match="out of range"):  # never a short read past the table
+        hf.get_input_embeddings()(torch.tensor([1, whole.shape[0]]))
     tied = tiny_hf("qwen2", tie_word_embeddings=True)
     assert not embed_from_file(tied, path, "model.embed_tokens.weight", torch.float32)  # the head reads every row
     gemma = tiny_hf("gemma3")

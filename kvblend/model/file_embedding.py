@@ -42,9 +42,9 @@ class FileEmbedding(torch.nn.Module):
         self.table, self.dtype = table, dtype  # a plain attribute: .to() and state_dict leave it alone
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.table.shape[0]):
+        unique, inverse = torch.unique(ids, return_inverse=True)  # each row read once, ascending
+        if unique.numel() and (int(unique[0]) < 0 or int(unique[-1]) >= self.table.shape[0]):
             raise IndexError(f"token id out of range for a vocabulary of {self.table.shape[0]}")
-        unique, inverse = torch.unique(ids, return_inverse=True)  # each row read once
         rows = self.table.rows(unique.tolist())
         return F.embedding(inverse, rows).to(self.dtype)
 
