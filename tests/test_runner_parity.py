@@ -5,6 +5,7 @@ import torch
 from tiny_models import DEVICES, FAMILIES, tiny_model
 
 from kvblend.model.rotary import apply_rope, check_rerotation
+from kvblend.model import runner as runner_mod
 from kvblend.model.runner import Runner
 
 
@@ -33,6 +34,25 @@ def test_the_last_layer_computes_only_the_logit_rows(family):
     assert torch.equal(every.k[:, :, :70], last.k[:, :, :70]) and torch.equal(every.v[:, :, :70], last.v[:, :, :70])
     torch.testing.assert_close(tail, all_rows[-1:], atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(picked, all_rows[[3, 50]], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_long_pass_runs_its_mlp_in_row_pieces_with_the_same_result(family, monkeypatch):
+    """The MLP of a pass longer than MLP_ROWS runs on near-equal row pieces (which bounds its
+    activations), and every K, V and logit is the same bit for bit as in one piece."""
+    m = tiny_model(family, seed=6)
+    ids = torch.randint(0, m.config.vocab_size, (70,), generator=torch.Generator().manual_seed(7))
+    runner = Runner(m)
+    whole, pieces = runner.new_cache(70), runner.new_cache(70)
+    one = runner.forward(ids, torch.arange(70), whole, logit_rows=slice(None))
+    calls = []
+    for block in runner.layers:
+        monkeypatch.setattr(block.mlp, "forward", lambda x, f=block.mlp.forward: calls.append(x.shape[0]) or f(x))
+    monkeypatch.setattr(runner_mod, "MLP_ROWS", 16)
+    split = runner.forward(ids, torch.arange(70), pieces, logit_rows=slice(None))
+    assert set(calls) <= {14} and len(calls) == 5 * m.config.num_hidden_layers  # 70 rows: 5 pieces of 14
+    assert torch.equal(whole.k[:, :, :70], pieces.k[:, :, :70]) and torch.equal(whole.v[:, :, :70], pieces.v[:, :, :70])
+    assert torch.equal(one, split)
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
