@@ -13,7 +13,8 @@ records (their teacher shared with that command's cache).
         --steps 36 --batch 2 --chunks 6 --lr 2e-4 --dev-every 12 --out kvmatch.safetensors
 
 (The dev records default to the --data files' records 30-35.) It did not pay: see the chunk
-adapters in docs/experiments.md.
+adapters in docs/experiments.md. The flags, prompts and training loop here serve
+adapter_read_match.py too: both train on a proxy and choose the step by blend's served KL.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import argparse
 import copy
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -57,8 +59,7 @@ def kv_loss(engine, adapter: ChunkAdapter, ids: list[int], n_chunks: int, rng: r
     return loss / runner.n_layers
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_flags(ap: argparse.ArgumentParser, steps: int, batch: int, chunks: int, chunks_help: str) -> None:
     ap.add_argument("--data", action="append", required=True)
     ap.add_argument("--offset", type=int, default=40)
     ap.add_argument("--limit", type=int)
@@ -67,9 +68,9 @@ def main() -> None:
     ap.add_argument("--dev-limit", type=int, default=6)
     ap.add_argument("--max-tokens", type=int, default=8000)
     ap.add_argument("--init", required=True, help="the adapter to start from (its rank and alpha)")
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--batch", type=int, default=2, help="prompts a step")
-    ap.add_argument("--chunks", type=int, default=8, help="chunks of each prompt in the loss")
+    ap.add_argument("--steps", type=int, default=steps)
+    ap.add_argument("--batch", type=int, default=batch, help="prompts a step")
+    ap.add_argument("--chunks", type=int, default=chunks, help=chunks_help)
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--dev-every", type=int, default=10)
@@ -78,19 +79,30 @@ def main() -> None:
     ap.add_argument("--checkpoint", help="default: OUT with .pt")
     ap.add_argument("--start-kl", type=float, help="the start adapter's dev kl_answer, when measured already")
     ap.add_argument("--model", default="qwen2.5-coder-0.5b-instruct")
-    args = ap.parse_args()
-    engine = make_engine(args.model)
+
+
+def prompts_and_dev(engine, args) -> tuple[list[list[int]], list[list[int]]]:
+    """The training and dev prompts of the flags, their chunks indexed as one collection."""
     records = [r for p in args.data for r in load_dataset(p, limit=args.limit, offset=args.offset)]
     dev_records = [r for p in args.dev_data or args.data for r in load_dataset(p, limit=args.dev_limit,
                                                                                 offset=args.dev_offset)]
     prompts = prompt_orders(engine, records, args.max_tokens, args.seed, 1)
     dev_prompts = prompt_orders(engine, dev_records, args.max_tokens, args.seed, 1)
-    engine.index_collection(dev_prompts + prompts)
-    dev = teach(engine, dev_prompts, 16)
+    engine.index_collection(dev_prompts + prompts)  # as `kvblend adapter train` indexes them
+    return prompts, dev_prompts
+
+
+def start_adapter(engine, args) -> ChunkAdapter:
     adapter = ChunkAdapter.load(args.init)
     adapter.check_fits(engine.model.config)
-    for p in engine.model.hf.parameters():
-        p.requires_grad_(False)
+    return adapter
+
+
+def train_on_proxy(engine, adapter: ChunkAdapter, dev: list, args, step_loss: Callable[[random.Random], float],
+                   name: str) -> None:
+    """Steps of AdamW on `step_loss` (which runs its own backward and returns the loss), resumable
+    from the checkpoint; every --dev-every steps the adapter is scored on `dev` and the best one
+    written to --out."""
     cfg = TrainConfig(steps=args.steps, lr=args.lr, warmup=args.warmup)
     opt = torch.optim.AdamW(adapter.parameters(), lr=args.lr, weight_decay=0.0)
     checkpoint = Path(args.checkpoint or Path(args.out).with_suffix(".pt"))
@@ -102,40 +114,60 @@ def main() -> None:
     elif args.start_kl is not None:  # the start's dev score, measured before on the same dev prompts
         state["dev"].append({"step": 0, "which": "init", "kl_answer": args.start_kl})
     else:
-        for name, a in (("none", None), ("init", adapter)):
-            s = dev_score(engine, a, dev)
-            state["dev"].append({"step": 0, "which": name, "kl_answer": s["kl_answer"], "top1": s["top1_agree"]})
-            print(state["dev"][-1], flush=True)
+        for which, a in (("none", None), ("init", adapter)):
+            _score(engine, a, dev, state, step=0, which=which)
     best = min(d["kl_answer"] for d in state["dev"])
-    print(f"{len(prompts)} training prompts, {len(dev)} dev; best dev KL so far {best:.4f}", flush=True)
-    bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc="kv-match")
+    print(f"best dev KL so far {best:.4f}", flush=True)
+    bar = tqdm(range(state["step"], args.steps), initial=state["step"], total=args.steps, desc=name)
     for step in bar:
         t0 = time.perf_counter()
         rng = random.Random(args.seed * 1_000_003 + step)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         opt.zero_grad(set_to_none=True)
-        total = 0.0
         with torch.enable_grad():
-            for ids in rng.sample(prompts, args.batch):
-                loss = kv_loss(engine, adapter, ids, args.chunks, rng) / args.batch
-                loss.backward()
-                total += loss.item()
+            total = step_loss(rng)
         torch.nn.utils.clip_grad_norm_(adapter.parameters(), 1.0)
         opt.step()
         state["losses"].append({"step": step + 1, "loss": total, "seconds": time.perf_counter() - t0})
         if (step + 1) % args.dev_every == 0 or step + 1 == args.steps:
-            s = dev_score(engine, adapter, dev)
-            state["dev"].append({"step": step + 1, "kl_answer": s["kl_answer"], "top1": s["top1_agree"]})
-            print(state["dev"][-1], flush=True)
-            if s["kl_answer"] < best:
-                best = s["kl_answer"]
+            kl = _score(engine, adapter, dev, state, step=step + 1)
+            if kl < best:
+                best = kl
                 keep = copy.deepcopy(adapter)
-                keep.info = {**(adapter.info or {}), "kv_match_step": step + 1, "dev_kl_answer": best}
+                keep.info = {**(adapter.info or {}), f"{name}_step": step + 1, "dev_kl_answer": best}
                 keep.save(args.out)
-        bar.set_postfix(loss=f"{total:.4f}")
+        bar.set_postfix(loss=f"{total:.5f}")
         state.update(step=step + 1, adapter=adapter.state_dict(), optimizer=opt.state_dict())
         save_atomic(state, checkpoint)
+
+
+def _score(engine, adapter: ChunkAdapter | None, dev: list, state: dict, **what) -> float:
+    s = dev_score(engine, adapter, dev)
+    state["dev"].append({**what, "kl_answer": s["kl_answer"], "top1": s["top1_agree"], "per_prompt": s["per_prompt"]})
+    print({k: v for k, v in state["dev"][-1].items() if k != "per_prompt"}, flush=True)
+    return s["kl_answer"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_flags(ap, steps=40, batch=2, chunks=8, chunks_help="chunks of each prompt in the loss")
+    args = ap.parse_args()
+    engine = make_engine(args.model)
+    prompts, dev_prompts = prompts_and_dev(engine, args)
+    dev = teach(engine, dev_prompts, 16)
+    adapter = start_adapter(engine, args)
+    print(f"{len(prompts)} training prompts, {len(dev)} dev", flush=True)
+
+    def step_loss(rng: random.Random) -> float:
+        total = 0.0
+        for ids in rng.sample(prompts, args.batch):
+            loss = kv_loss(engine, adapter, ids, args.chunks, rng) / args.batch
+            loss.backward()
+            total += loss.item()
+        return total
+
+    train_on_proxy(engine, adapter, dev, args, step_loss, "kv_match")
 
 
 if __name__ == "__main__":
