@@ -48,9 +48,9 @@ from kvblend.train.trainer import stored_spans
 
 @torch.no_grad()
 def reader_teacher(engine, ex: Example) -> dict:
-    """Full prefill of the prompt and the teacher-forced answer: K, V of every row, and per layer
-    the reader rows' queries, attention outputs (before o_proj) and log-sum-exp, plus each row's
-    attention mass from the reader rows (summed over layers and heads)."""
+    """Full prefill of the prompt and the teacher-forced answer: K, V of every row, per layer the
+    reader rows' queries, attention outputs (before o_proj) and log-sum-exp, and the stored chunk
+    rows blend would recompute (`fresh`)."""
     runner = engine.runner
     if any(w is not None for w in runner.windows):
         raise ValueError("reader teachers assume no sliding-window layers")
@@ -77,7 +77,7 @@ def reader_teacher(engine, ex: Example) -> dict:
         lses.append(lse)
         rows.h = runner.after_attention(layer, rows.h, o.to(rows.h.dtype))
     return {"k": torch.stack(full.k), "v": torch.stack(full.v), "q": torch.stack(qs),
-            "o": torch.stack(outs), "lse": torch.stack(lses), "mass": mass, "start": start}
+            "o": torch.stack(outs), "lse": torch.stack(lses), "fresh": recomputed_rows(engine, ex, mass)}
 
 
 def recomputed_rows(engine, ex: Example, mass: torch.Tensor) -> torch.Tensor:
@@ -94,11 +94,10 @@ def recomputed_rows(engine, ex: Example, mass: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def chunk_read_loss(engine, adapter: ChunkAdapter, ex: Example, t: dict, span: tuple[int, int],
-                    fresh: torch.Tensor) -> torch.Tensor:
+def chunk_read_loss(engine, adapter: ChunkAdapter, ex: Example, t: dict, span: tuple[int, int]) -> torch.Tensor:
     """The reader rows' attention-output error, after o_proj and relative to the output's size,
     averaged over layers, when one chunk's stored KV (made with the adapter) stands in for full
-    prefill's at its rows, its recomputed rows (`fresh`) excepted."""
+    prefill's at its rows, the rows blend would recompute (`t["fresh"]`) excepted."""
     runner, cfg = engine.runner, engine.blend_cfg
     a, b = span
     C = ex.seg.exact_end
@@ -106,7 +105,7 @@ def chunk_read_loss(engine, adapter: ChunkAdapter, ex: Example, t: dict, span: t
     chunk = ex.ids[a:b]
     ks, vs, enc_pos = encode(runner, adapter, context, [chunk], [engine.keys.lead_ids(chunk)])
     target = torch.arange(a, b)
-    stale = ~fresh[a:b]
+    stale = ~t["fresh"][a:b]
     group = runner.n_heads // runner.n_kv_heads
     log_scale = math.log(cfg.stale_key_scale)
     total = 0.0
@@ -148,9 +147,9 @@ class Teachers:
                 return torch.load(path, weights_only=True)
             except Exception as e:  # noqa: BLE001 - a damaged file is computed again
                 print(f"{path}: {e}; computing it again", flush=True)
+        # K and V stay in the runner's dtype: the loss takes this chunk's share out of the outputs,
+        # which were computed from exactly these values.
         t = reader_teacher(self.engine, ex)
-        t["fresh"] = recomputed_rows(self.engine, ex, t["mass"])
-        t["k"], t["v"] = t["k"].to(torch.bfloat16), t["v"].to(torch.bfloat16)
         save_atomic(t, path)
         return t
 
@@ -161,8 +160,8 @@ def probe(engine, teachers: Teachers, adapter: ChunkAdapter, examples: list[Exam
     for ex in examples:
         t = teachers(ex)
         spans = stored_spans(engine, ex.seg)
-        none = [float(chunk_read_loss(engine, None, ex, t, s, t["fresh"])) for s in spans]
-        used = [float(chunk_read_loss(engine, adapter, ex, t, s, t["fresh"])) for s in spans]
+        none = [float(chunk_read_loss(engine, None, ex, t, s)) for s in spans]
+        used = [float(chunk_read_loss(engine, adapter, ex, t, s)) for s in spans]
         print(f"{len(ex.ids)} tokens, {len(spans)} stored chunks: no adapter {sum(none):.5f}, "
               f"adapter {sum(used):.5f}, lower with it on {sum(w < n for n, w in zip(none, used))}", flush=True)
 
@@ -195,7 +194,7 @@ def main() -> None:
             spans = stored_spans(engine, ex.seg)
             chosen = rng.sample(spans, min(args.chunks, len(spans)))
             for span in chosen:
-                loss = chunk_read_loss(engine, adapter, ex, t, span, t["fresh"]) / (args.batch * len(chosen))
+                loss = chunk_read_loss(engine, adapter, ex, t, span) / (args.batch * len(chosen))
                 loss.backward()
                 total += loss.item()
         return total
