@@ -34,9 +34,11 @@ def stored(request, tmp_path):
         cluster.flush()
         url = cluster.url
     kind = "disk" if request.param == "disk" else "redis"
+    engine = stored_engine(kind, tmp_path, url, compact_probe=True)
     try:
-        yield kind, stored_engine(kind, tmp_path, url, compact_probe=True)
+        yield kind, engine
     finally:
+        engine.close()  # its writes behind land before the next test empties the cluster
         if server:
             server.kill()
 

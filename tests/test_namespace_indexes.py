@@ -34,8 +34,22 @@ def place(request, tmp_path):
         yield {"remote_url": cluster.url}
 
 
-def test_each_namespace_indexes_only_its_own_chunks(place):
-    engine = make_engine(chunk_context="prefix", **place)
+@pytest.fixture
+def new_engine(place):
+    """Makes prefix-context engines at `place` and closes them all when the test ends: an engine left
+    open could finish a write behind into the next test's cluster, after that test emptied it."""
+    made = []
+
+    def make():
+        made.append(make_engine(chunk_context="prefix", **place))
+        return made[-1]
+    yield make
+    for engine in made:
+        engine.close()
+
+
+def test_each_namespace_indexes_only_its_own_chunks(new_engine):
+    engine = new_engine()
     with engine.namespace("alice"):
         engine.index_collection([prompt([CS[0], CS[2]])])
     with engine.namespace("bob"):
@@ -50,15 +64,15 @@ def test_each_namespace_indexes_only_its_own_chunks(place):
     assert engine.indexes.get("alice").neighbour_of(CS[0]) is None
 
 
-def test_the_indexes_survive_a_restart_and_two_writers_lose_nothing(place):
-    first, second = make_engine(chunk_context="prefix", **place), make_engine(chunk_context="prefix", **place)
+def test_the_indexes_survive_a_restart_and_two_writers_lose_nothing(new_engine):
+    first, second = new_engine(), new_engine()
     assert second.indexes.get("kb") is None
     with first.namespace("kb"):
         first.index_collection([prompt([CS[0]])])
     with second.namespace("kb"):  # its view predates the first's addition: it reads it again
         assert second.keys.neighbours is not None and len(second.keys.neighbours) == 1
         second.index_collection([prompt([CS[1], CS[2]])])
-    third = make_engine(chunk_context="prefix", **place)  # a restart
+    third = new_engine()  # a restart
     with third.namespace("kb"):
         index = third.keys.neighbours
         assert len(index) == 3 and index.neighbour_of(CS[0]) is None  # first indexed: kept
@@ -76,8 +90,8 @@ def corrupt(engine, ns):
 
 
 @pytest.mark.parametrize("how", ["corrupt", "missing"])
-def test_a_corrupt_or_missing_index_loses_nothing(place, how, caplog):
-    engine = make_engine(chunk_context="prefix", **place)
+def test_a_corrupt_or_missing_index_loses_nothing(new_engine, how, caplog):
+    engine = new_engine()
     ids = prompt([CS[0], CS[1], CS[2]])
     with engine.namespace("kb"):
         engine.index_collection([ids])
@@ -92,7 +106,7 @@ def test_a_corrupt_or_missing_index_loses_nothing(place, how, caplog):
                 p.tier.client.delete(p._key("kb"))
             elif isinstance(p, FilePlace):
                 p.path_of("kb").unlink()
-    restarted = make_engine(chunk_context="prefix", **place)
+    restarted = new_engine()
     with caplog.at_level(logging.WARNING, logger="kvblend.blend.namespace_indexes"), restarted.namespace("kb"):
         assert restarted.keys.neighbours is None  # nothing usable: the chunks are plain
         plan = restarted.plan(ids, "blend")
