@@ -59,7 +59,18 @@ def make_engine(disk=None, redis_url=None, memory=True, seed=0, dtype=torch.floa
     redis = engine.store.tier("redis")
     if redis is not None:
         redis.retry_s = 0.0  # tests restart Redis at once: try it again on the next call
+    MADE.append(engine)
     return engine
+
+
+MADE: list[Engine] = []  # the engines a test made, closed by tier_kind when it ends
+
+
+def close_made() -> None:
+    """Finish their writes behind now: on the session's cluster a write left running could land
+    after the next test emptied it."""
+    while MADE:
+        MADE.pop().close()
 
 
 def stored_engine(kind, tmp_path, url=None, **settings):
@@ -74,16 +85,19 @@ def stored_engine(kind, tmp_path, url=None, **settings):
 @pytest.fixture(params=["disk", "redis", "cluster"])
 def tier_kind(request):
     """(the tier's name, the Redis server or cluster it is on)."""
+    MADE.clear()
     if request.param == "disk":
         yield "disk", None
     elif request.param == "redis":
         server = RedisServer().start()
         yield "redis", server
+        close_made()
         server.kill()
     else:
         cluster = request.getfixturevalue("redis_cluster")
         cluster.flush()
         yield "redis", cluster
+    close_made()
 
 
 def same_output(a, b) -> None:
