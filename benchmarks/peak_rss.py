@@ -22,7 +22,7 @@ from kvblend.engine.engine import Engine
 from kvblend.engine.sampler import SamplingParams
 from kvblend.engine.scheduler import generate
 from kvblend.eval.datasets import load_dataset
-from kvblend.model.loader import DEFAULT_MODEL, load_model
+from kvblend.model.loader import DEFAULT_MODEL
 from long_prompts import prompt_of_length  # this script's folder is on sys.path
 
 
@@ -50,7 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads)
     out = {"model": args.model, "length": args.length, "start_peak_mib": peak_mib()}
     settings = load_settings(model=args.model, dtype=args.dtype, weights=args.weights)
-    engine = Engine(load_model(settings.model, settings.dtype, weights=settings.weights), settings)
+    engine = Engine.from_settings(settings)
     out["dtype"] = str(engine.model.dtype).removeprefix("torch.")
     out["weights"] = engine.model.weights
     out["loaded_peak_mib"], out["loaded_rss_mib"] = peak_mib(), rss_mib()

@@ -27,7 +27,6 @@ from local_servers import serve as serve_app  # this script's folder is on sys.p
 
 from kvblend.config import load_settings
 from kvblend.engine.engine import Engine
-from kvblend.model.loader import load_model
 from kvblend.server.app import ServerConfig
 
 MODEL = "bench"
@@ -135,7 +134,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     settings = load_settings(model=args.model, dtype=args.dtype)
-    engine = Engine(load_model(settings.model, settings.dtype, settings.device, settings.weights), settings)
+    engine = Engine.from_settings(settings)
     pool, questions = passages_pool(args.data, max(args.requests, 8))
     print(f"model {settings.model} ({engine.model.dtype}), {len(pool)} passages, {args.requests} requests, "
           f"{args.concurrency} clients, {args.docs_per_prompt} passages per prompt", flush=True)

@@ -17,7 +17,6 @@ from kvblend.config import Settings
 from kvblend.engine.engine import Engine
 from kvblend.eval.datasets import load_dataset
 from kvblend.model.adapter import ChunkAdapter
-from kvblend.model.loader import load_model
 from kvblend.train.data import build_prompts, teach
 from kvblend.train.trainer import dev_score, student_loss
 
@@ -35,7 +34,7 @@ def main() -> None:
     args = ap.parse_args()
 
     settings = Settings(model=args.model, chunk_adapter="none")
-    engine = Engine(load_model(settings.model, settings.dtype, weights=settings.weights), settings)
+    engine = Engine.from_settings(settings)
     records = load_dataset(args.data, limit=1, offset=args.record)
     examples = teach(engine, build_prompts(engine, records, args.max_tokens), progress=False)
     if not examples:

@@ -21,7 +21,6 @@ from .engine.prompts import chat_prompt, chunk_prompt, completion_prompt, rag
 from .engine.sampler import SamplingParams
 from .engine.requests import Request
 from .engine.scheduler import Scheduler
-from .model.loader import load_model
 
 __all__ = ["LLM", "SamplingParams", "RequestOutput", "RequestMetrics", "RequestError"]
 
@@ -42,10 +41,9 @@ class LLM:
     def __init__(self, model: str | None = None, dtype: str | None = None, device: str | None = None,
                  settings: Settings | None = None, **overrides):
         self.settings = settings or load_settings(model=model, dtype=dtype, device=device, **overrides)
-        loaded = load_model(self.settings.model, self.settings.dtype, self.settings.device, self.settings.weights)
-        self.engine = Engine(loaded, self.settings)
+        self.engine = Engine.from_settings(self.settings)
         self.loop = Scheduler(self.engine)  # the server's engine loop, run here in the caller's thread
-        self.tokenizer = loaded.tokenizer
+        self.tokenizer = self.engine.tokenizer
         self._next_id = 0
 
     # ---- building prompts (as the server builds them: engine/prompts.py) ------------------------

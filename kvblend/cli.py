@@ -114,7 +114,6 @@ def cmd_eval(args) -> int:
     from .eval.harness import index_dataset, run_eval
     from .eval.machine import cpu_name
     from .eval.report import format_table, write_report
-    from .model.loader import load_model
 
     if args.mode is not None or args.recompute_ratios is not None:  # eval sweeps them: say so, never ignore them
         raise ValueError("kvblend eval runs every mode of --modes and every ratio of --ratios; "
@@ -122,8 +121,7 @@ def cmd_eval(args) -> int:
     settings = _settings(args)
     records = load_dataset(args.data, limit=args.limit, nq_k=args.nq_k, nq_gold_pos=args.nq_gold_pos,
                            offset=args.offset)
-    loaded = load_model(settings.model, settings.dtype, settings.device, settings.weights)
-    engine = Engine(loaded, settings)
+    engine = Engine.from_settings(settings)
     index_dataset(engine, load_dataset(args.data, nq_k=args.nq_k, nq_gold_pos=args.nq_gold_pos))
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
@@ -144,12 +142,11 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from .engine.engine import Engine
-    from .model.loader import load_model
     from .server.app import ServerConfig, create_app
 
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     settings = _settings(args)
-    engine = Engine(load_model(settings.model, settings.dtype, settings.device, settings.weights), settings)
+    engine = Engine.from_settings(settings)
     keys = [k for k in (args.api_key or []) if k] or [k for k in os.environ.get("KVBLEND_API_KEY", "").split(",") if k]
     config = ServerConfig(model_name=args.served_model_name or settings.model, api_keys=keys,
                           max_queue=args.max_queue, max_batch=args.max_batch, max_tokens=args.max_tokens_limit,

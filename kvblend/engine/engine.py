@@ -25,7 +25,7 @@ from ..blend.segment import Segments, Span, segment, separator_ids
 from ..config import Settings
 from ..model.adapter import resolve_adapter
 from ..model.aliases import stale_key_scale_for
-from ..model.loader import LoadedModel
+from ..model.loader import LoadedModel, load_model
 from ..model.rotary import check_rerotation
 from ..model.runner import Runner
 from ..store.chunk_kv import ChunkKV
@@ -74,6 +74,12 @@ class RequestMetrics:
 
 
 class Engine:
+    @classmethod
+    def from_settings(cls, settings: Settings, progress: bool = True) -> "Engine":
+        """The model the settings name, loaded with their dtype, device and weight format, and its engine."""
+        return cls(load_model(settings.model, settings.dtype, settings.device, settings.weights, progress=progress),
+                   settings)
+
     def __init__(self, model: LoadedModel, settings: Settings | None = None, sep_ids: list[int] | None = None):
         self.settings = s = settings or Settings()
         self.model = model

@@ -7,7 +7,6 @@ import argparse
 
 from ..config import load_settings
 from ..engine.engine import Engine
-from ..model.loader import load_model
 from .datasets import RagRecord, load_dataset
 from .harness import index_dataset
 
@@ -25,6 +24,6 @@ def open_records(args: argparse.Namespace) -> tuple[Engine, list[RagRecord]]:
     whole file indexed as `kvblend eval` indexes it (KVBLEND_NEIGHBOUR_CONTEXT=false: plain chunks)."""
     records = load_dataset(args.data, limit=args.limit, offset=args.offset)
     settings = load_settings(model=args.model, dtype=args.dtype)
-    engine = Engine(load_model(settings.model, dtype=args.dtype), settings)
+    engine = Engine.from_settings(settings)
     index_dataset(engine, load_dataset(args.data))
     return engine, records

@@ -19,7 +19,6 @@ from ..blend.fusor import PrefillOutput
 from ..blend.segment import rag_prompt_ids
 from ..config import load_settings
 from ..engine.engine import Engine
-from ..model.loader import load_model
 from .datasets import RagRecord
 from .metrics import gold_score, kl_divergence, rouge_l
 
@@ -46,8 +45,7 @@ def variants(modes: list[str], ratios: list[float]) -> list[Variant]:
 
 def open_engine(model: str, dtype: str, weights: str, device: str = "auto", progress: bool = True) -> Engine:
     """An engine on `model` with these dtype and weight settings (benchmarks and experiments)."""
-    settings = load_settings(model=model, dtype=dtype, weights=weights)
-    return Engine(load_model(settings.model, settings.dtype, device, settings.weights, progress=progress), settings)
+    return Engine.from_settings(load_settings(model=model, dtype=dtype, weights=weights, device=device), progress)
 
 
 def prompt_ids(engine: Engine, record: RagRecord) -> list[int]:
