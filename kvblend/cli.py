@@ -158,6 +158,13 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def cmd_folder(args) -> int:
+    from .model.loader import hf_folder
+
+    print(hf_folder(args.model))
+    return 0
+
+
 def cmd_adapter(args) -> int:
     return cli_adapter.cmd_train(_settings(args), args)
 
@@ -251,6 +258,9 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--max-documents", type=int, default=64, help="documents per request")
     srv.add_argument("--max-body-mb", type=float, default=8.0, help="largest request body")
     srv.set_defaults(func=cmd_serve)
+    folder = sub.add_parser("folder", help="the Hugging Face folder of a model (vLLM loads it): written once, printed")
+    folder.add_argument("model", nargs="?", default="smollm2-135m-instruct", help="a known name or a .gguf file")
+    folder.set_defaults(func=cmd_folder)
     _add_store_parser(sub)
     cli_adapter.add_parser(sub, _add_engine_flags).set_defaults(func=cmd_adapter)
     return parser

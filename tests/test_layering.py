@@ -1,5 +1,5 @@
 """kvblend's layers, lowest first: config <- model <- store <- blend <- engine <- api/eval <- server
-<- cli. A module may import its own layer and the layers below it, never one above: the store knows
+<- cli (the vLLM connector sits beside the server). A module may import its own layer and the layers below it, never one above: the store knows
 nothing of the engine that reads it, the engine nothing of the server that drives it."""
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ LAYERS = {
     "eval": 5,
     "train": 5,
     "server": 6,
+    "vllm": 6,  # the vLLM connector: beside the server, another host of the engine
     "cli": 7,
     "cli_store": 7,
     "cli_adapter": 7,

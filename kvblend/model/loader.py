@@ -26,7 +26,8 @@ from .weights import QUANTIZED, WeightsError, cpu_flags, dense_format, format_ke
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ALIASES", "DEFAULT_MODEL", "ModelLoadError", "cache_dir", "load_model", "from_hf", "LoadedModel"]
+__all__ = ["ALIASES", "DEFAULT_MODEL", "ModelLoadError", "cache_dir", "load_model", "from_hf", "LoadedModel",
+           "dense_fingerprint", "alias_of_folder", "hf_folder"]
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 
@@ -201,6 +202,35 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
         hf = _load_whole(folder, dt, fmt)
     tokenizer = AutoTokenizer.from_pretrained(folder)
     return LoadedModel(hf.to(dev), tokenizer, name, fingerprint(config, weights_id, dt, fmt), dt, dev, fmt)
+
+
+def hf_folder(name: str) -> Path:
+    """The Hugging Face folder of a model (for a GGUF file or an alias, the one dequantized into the
+    kvblend cache, written on first use): what another engine, such as vLLM, loads."""
+    path = resolve_model_path(name)
+    return _gguf_as_folder(path, weights_identity(path)) if path.is_file() else path
+
+
+def dense_fingerprint(name: str, dtype: torch.dtype) -> str:
+    """The fingerprint load_model gives this model with dense weights in `dtype`, without loading
+    them: an engine that serves the same weights itself (vLLM) keys chunk KV as kvblend does."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(name)
+    weights_id = weights_identity(path)
+    folder = _gguf_as_folder(path, weights_id) if path.is_file() else path
+    return fingerprint(AutoConfig.from_pretrained(folder), weights_id, dtype)
+
+
+def alias_of_folder(folder: str | Path) -> str | None:
+    """The alias whose GGUF kvblend dequantized into this cache folder (what vLLM loads), else None."""
+    folder = Path(folder).expanduser().resolve()
+    if folder.parent != (cache_dir() / "models").resolve():
+        return None
+    for name, alias in ALIASES.items():
+        if folder.name.startswith(Path(alias.filename).stem + "-"):
+            return name
+    return None
 
 
 def _load_whole(folder: Path, dtype: torch.dtype, weights: str) -> torch.nn.Module:

@@ -175,9 +175,10 @@ class Runner:
         attn = self.layers[layer].self_attn
         x = self.layers[layer].input_layernorm(rows.h)
         n = x.shape[0]
-        q = attn.q_proj(x).view(n, self.n_heads, self.head_dim)
-        k = attn.k_proj(x).view(n, self.n_kv_heads, self.head_dim)
-        v = attn.v_proj(x).view(n, self.n_kv_heads, self.head_dim)
+        q, k, v = project_qkv(attn, x)
+        q = q.view(n, self.n_heads, self.head_dim)
+        k = k.view(n, self.n_kv_heads, self.head_dim)
+        v = v.view(n, self.n_kv_heads, self.head_dim)
         if self.adapter is not None:
             ad = self.adapter
             q = q + ad.delta(layer, "q", x).view(q.shape)
@@ -293,6 +294,15 @@ class Runner:
 
 # See Runner.decode: decode batches come in whole blocks of this many rows (the matmul kernel's block).
 DECODE_ROW_BLOCK = 4
+
+
+def project_qkv(attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v [n, heads * d] of rows x: one fused product where the attention module offers one
+    (a host engine's packed qkv projection, kvblend/vllm/model_view.py), else its three projections."""
+    fused = getattr(attn, "qkv", None)
+    if fused is not None:
+        return fused(x)
+    return attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
 
 
 def mlp(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
