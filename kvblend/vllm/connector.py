@@ -25,7 +25,7 @@ from ..blend.segment import separator_ids
 from ..config import Settings, load_settings
 from ..model.loader import alias_of_folder
 from ..model.rotary import check_rerotation
-from .model_view import transformers_rotary
+from .model_view import transformers_rotary, unsupported
 from .scheduler_side import LoadJob, SchedulerSide
 from .worker_side import WorkerSide
 
@@ -87,6 +87,9 @@ class KVBlendConnector(KVConnectorBase_V1):
         self.scheduler_side: SchedulerSide | None = None
         self.worker_side: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
+            # kvblend is a cache: a load that fails is a miss for vLLM to recompute, never a failed
+            # request (vLLM's scheduler reads this after it has built its connector).
+            vllm_config.kv_transfer_config.kv_load_failure_policy = "recompute"
             self.scheduler_side = self._scheduler(vllm_config)
         else:
             self.worker_side = WorkerSide(self.settings, vllm_config)
@@ -98,12 +101,15 @@ class KVBlendConnector(KVConnectorBase_V1):
         tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
         sep = separator_ids(tokenizer, self.settings.separator)
         warn_if_separator_splits(tokenizer, sep, self.settings.separator)
-        hf_like = SimpleNamespace(config=mc.hf_config, model=SimpleNamespace(rotary_emb=transformers_rotary(mc.hf_config)))
-        ok, why = check_rerotation(hf_like, mc.max_model_len)
-        if not ok:
-            log.warning("kvblend connector: cached KV cannot be moved between positions for this model (%s); "
-                        "every request is prefilled by vLLM as usual", why)
-        return SchedulerSide(sep, self.settings.mode, ok)
+        why = unsupported(mc.hf_config, vllm_config.parallel_config)
+        if why is None:
+            hf_like = SimpleNamespace(config=mc.hf_config,
+                                      model=SimpleNamespace(rotary_emb=transformers_rotary(mc.hf_config)))
+            ok, gate = check_rerotation(hf_like, mc.max_model_len)
+            why = None if ok else f"cached KV cannot be moved between positions for this model ({gate})"
+        if why is not None:
+            log.warning("kvblend connector: %s; every request is prefilled by vLLM as usual", why)
+        return SchedulerSide(sep, self.settings.mode, why is None)
 
     # ---- scheduler side ---------------------------------------------------------------------
 

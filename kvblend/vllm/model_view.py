@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model.loader import LoadedModel, check_architecture
+from ..model.weights import dense_format
 
 # Decoder families whose vLLM modules carry the names below (qkv_proj, o_proj, mlp, the two norms).
 SUPPORTED = ("llama", "mistral", "qwen2", "qwen3")
@@ -94,17 +95,27 @@ def transformers_rotary(config) -> torch.nn.Module:
     return rotary(config=config)
 
 
+def unsupported(config, parallel_config=None) -> str | None:
+    """Why kvblend cannot drive this vLLM model layer by layer, or None where it can."""
+    if config.model_type not in SUPPORTED:
+        return f"kvblend's vLLM connector drives {', '.join(SUPPORTED)} models, not {config.model_type!r}"
+    if getattr(config, "use_sliding_window", False) or (
+            config.model_type == "mistral" and getattr(config, "sliding_window", None)):
+        return "kvblend's vLLM connector does not drive sliding-window attention yet"
+    if parallel_config is not None and (parallel_config.tensor_parallel_size > 1 or parallel_config.pipeline_parallel_size > 1):
+        # Each worker would hold a slice of the heads or of the layers; the view needs them all.
+        return "kvblend's vLLM connector runs at tensor and pipeline parallel size 1"
+    return None
+
+
 def view_model(vllm_model: torch.nn.Module, config, tokenizer, name: str, fingerprint: str,
                dtype: torch.dtype, device: torch.device) -> LoadedModel:
     """A LoadedModel over vLLM's modules: kvblend's Runner and Engine run on it unchanged."""
     check_architecture(config, name)
-    if config.model_type not in SUPPORTED:
-        raise ViewError(f"kvblend's vLLM connector drives {', '.join(SUPPORTED)} models, not {config.model_type!r}")
-    if getattr(config, "use_sliding_window", False) or (
-            config.model_type == "mistral" and getattr(config, "sliding_window", None)):
-        raise ViewError("kvblend's vLLM connector does not drive sliding-window attention yet")
-    missing = [i for i, layer in enumerate(vllm_model.model.layers) if not hasattr(layer, "self_attn")]
-    if missing:  # pipeline parallel: this rank holds some layers only
-        raise ViewError("kvblend's vLLM connector needs every layer in one process (pipeline parallel size 1)")
+    why = unsupported(config)
+    if why is None and vllm_model.model.layers[0].self_attn.num_heads != config.num_attention_heads:
+        why = "kvblend's vLLM connector runs at tensor parallel size 1"
+    if why is not None:
+        raise ViewError(why)
     view = CausalLMView(vllm_model, config)
-    return LoadedModel(view, tokenizer, name, fingerprint, dtype, device, weights="vllm")
+    return LoadedModel(view, tokenizer, name, fingerprint, dtype, device, dense_format(dtype))

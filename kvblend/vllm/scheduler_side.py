@@ -86,11 +86,18 @@ class SchedulerSide:
             p = self.pending.pop(new.req_id, None)
             if p is None:
                 continue
-            ids = list(new.prompt_token_ids or p.request.prompt_token_ids)
-            end = len(ids) - 1
-            out.append(LoadJob(new.req_id, ids, list(new.block_ids[0]), end - p.external, end, p.mode, p.ratio))
-        # A request resumed after preemption, or not scheduled yet, asks again when it is.
+            out.append(self._job(new.req_id, p, new.block_ids[0]))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):  # resumed after preemption: its blocks are new ones
+            if req_id in cached.resumed_req_ids and req_id in self.pending and cached.new_block_ids[i] is not None:
+                out.append(self._job(req_id, self.pending.pop(req_id), cached.new_block_ids[i][0]))
         return out
+
+    @staticmethod
+    def _job(req_id: str, p: Pending, block_ids: list[int]) -> LoadJob:
+        ids = list(p.request.prompt_token_ids)
+        end = len(ids) - 1
+        return LoadJob(req_id, ids, list(block_ids), end - p.external, end, p.mode, p.ratio)
 
     def finished(self, request) -> None:
         self.pending.pop(request.request_id, None)

@@ -100,9 +100,15 @@ class WorkerSide:
         self.failed_blocks.clear()
         if not jobs:
             return
-        engine = self._engine()
-        layers = attention_layers(forward_context, engine.runner.n_layers)
         block_size = self.vllm_config.cache_config.block_size
+        try:
+            engine = self._engine()
+            layers = attention_layers(forward_context, engine.runner.n_layers)
+        except Exception:  # noqa: BLE001 - vLLM recomputes the requests' blocks and keeps serving
+            log.exception("kvblend connector: cannot blend on this model; vLLM recomputes the requests")
+            for job in jobs:
+                self._failed(job, block_size)
+            return
         for job in jobs:
             t0 = time.perf_counter()
             try:
@@ -112,22 +118,28 @@ class WorkerSide:
                     write_rows(attn, out.cache.k[layer][:, job.start:job.end], out.cache.v[layer][:, job.start:job.end], at)
             except Exception:  # noqa: BLE001 - the request must still be answered: vLLM recomputes its blocks
                 log.exception("kvblend connector: could not write request %s; vLLM recomputes it", job.req_id)
-                self.counters.failed_loads += 1
-                self.totals.failed_loads += 1
-                self.failed_blocks.update(job.block_ids[job.start // block_size:])
+                self._failed(job, block_size)
                 continue
             for c in (self.counters, self.totals):
                 c.add(job, out.stats, time.perf_counter() - t0)
             self.recent.append((job, out.stats))
             self._stores.append((self._step, job.token_ids, plan, out, job.mode))
 
+    def _failed(self, job: LoadJob, block_size: int) -> None:
+        self.counters.failed_loads += 1
+        self.totals.failed_loads += 1
+        self.failed_blocks.update(job.block_ids[job.start // block_size:])
+
     def _prefill(self, engine: Engine, job: LoadJob):
         """The job's prefill in its mode; where blending fails, a full prefill on the same layers."""
-        cfg = None
-        if job.ratio is not None:
-            cfg = replace(engine.blend_cfg, ratios=[job.ratio] * len(engine.blend_cfg.check_layers))
         try:
-            return engine.prefill(job.token_ids, job.mode, blend_cfg=cfg)
+            # The namespace bound again for each request: another process (`kvblend store put`) may
+            # have grown its neighbour index, and chunks are keyed after the neighbours it names now.
+            with engine.namespace(self.settings.namespace):
+                cfg = None
+                if job.ratio is not None:
+                    cfg = replace(engine.blend_cfg, ratios=[job.ratio] * len(engine.blend_cfg.check_layers))
+                return engine.prefill(job.token_ids, job.mode, blend_cfg=cfg)
         except Exception:  # noqa: BLE001 - a fault costs speed, never the answer
             log.exception("kvblend connector: blending request %s failed; prefilling it in full", job.req_id)
             self.counters.faults += 1
@@ -141,7 +153,8 @@ class WorkerSide:
         self._stores = [s for s in self._stores if s[0] >= self._step - 1]
         for _, ids, plan, out, mode in due:
             try:
-                self.engine.store_after(ids, plan, out, mode)
+                with self.engine.namespace(self.settings.namespace):  # keyed as the request looked them up
+                    self.engine.store_after(ids, plan, out, mode)
             except Exception:  # noqa: BLE001 - storing is best effort: a chunk not stored is a later miss
                 log.exception("kvblend connector: storing a request's chunks failed")
 
@@ -151,9 +164,8 @@ class WorkerSide:
 
     def close(self) -> None:
         if self.engine is not None:
-            for _, ids, plan, out, mode in self._stores:
-                self.engine.store_after(ids, plan, out, mode)
-            self._stores.clear()
+            self._step += 2  # every store owed is due now
+            self.after_step()
             self.engine.close()
 
 

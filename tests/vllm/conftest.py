@@ -13,6 +13,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: vLLM's default take
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 import socket  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
@@ -69,9 +71,15 @@ def blended(folder, connector_config, plain):  # after `plain`: both live in thi
 @pytest.fixture(scope="session")
 def worker(blended):
     """The worker side of the connector (its engine, counters and the jobs it loaded)."""
+    from vllm import SamplingParams
     from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
 
-    return get_kv_transfer_group().worker_side
+    side = get_kv_transfer_group().worker_side
+    if side.engine is None:  # built at the first blended request, on the model vLLM loaded
+        blended.generate([f"Notes.{SEPARATOR}A short passage to start with.{SEPARATOR}Why?"],
+                         SamplingParams(max_tokens=1), use_tqdm=False)
+    assert side.engine is not None
+    return side
 
 
 @pytest.fixture(scope="session")
@@ -79,3 +87,6 @@ def tokenizer(folder):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
+
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # vllm_server

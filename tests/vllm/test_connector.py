@@ -137,3 +137,48 @@ def test_corrupt_entries_are_misses(blended, plain, worker, tokenizer, store_dir
     ids, _ = ask(blended, shuffled, ratio=1.0)
     assert worker.totals.bad_entries > bad_before
     assert ids == ask(plain, shuffled)[0]  # recomputed, never served from a damaged entry
+
+
+def test_a_failed_blend_is_prefilled_in_full(blended, plain, worker, tokenizer, monkeypatch):
+    text = prompt(tokenizer, "ivory", documents("ivory"))
+    real = worker.engine.prefill
+
+    def blend_breaks(ids, mode, *args, **kwargs):
+        if mode != "full":
+            raise RuntimeError("a fault inside the blend")
+        return real(ids, mode, *args, **kwargs)
+
+    monkeypatch.setattr(worker.engine, "prefill", blend_breaks)
+    faults = worker.totals.faults
+    assert ask(blended, text)[0] == ask(plain, text)[0]
+    assert worker.totals.faults == faults + 1
+
+
+def test_a_failed_write_is_recomputed_by_vllm(blended, plain, worker, tokenizer, monkeypatch):
+    import kvblend.vllm.worker_side as worker_side
+
+    def write_breaks(*args, **kwargs):
+        raise RuntimeError("a fault while writing vLLM's cache")
+
+    text = prompt(tokenizer, "pearl", documents("pearl"))
+    monkeypatch.setattr(worker_side, "write_rows", write_breaks)
+    failed = worker.totals.failed_loads
+    assert ask(blended, text)[0] == ask(plain, text)[0]  # vLLM recomputed the blocks the connector reported
+    assert worker.totals.failed_loads == failed + 1
+
+
+def test_chunks_stored_by_kvblend_are_hits(blended, worker, tokenizer):
+    """What `kvblend store put` (LLM.store_documents) stores is what the connector looks up: the
+    first request through vLLM reads every chunk."""
+    from kvblend.api import LLM as KVBlend
+
+    docs = documents("sable")
+    own = KVBlend(model=MODEL, dtype="float32", separator=SEPARATOR, local_disk=str(worker.settings.local_disk),
+                  local_cpu=False)
+    try:
+        own.store_documents(docs)
+    finally:
+        own.close()
+    ask(blended, prompt(tokenizer, "sable", docs[::-1]), max_tokens=1)
+    _, stats = worker.recent[-1]
+    assert stats.chunk_misses == 0 and stats.chunk_hits == len(docs)

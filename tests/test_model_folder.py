@@ -1,0 +1,30 @@
+"""The folder another engine (vLLM) loads, and the keys it must share with kvblend: the dequantized
+Hugging Face folder of a shipped model, the alias it came from, the fingerprint without loading."""
+
+import pytest
+import torch
+
+from kvblend.cli import main
+from kvblend.model.loader import alias_of_folder, cache_dir, dense_fingerprint, hf_folder
+
+pytestmark = pytest.mark.real_model
+NAME = "smollm2-135m-instruct"
+
+
+def test_dense_fingerprint_is_load_models(default_fp32):
+    assert dense_fingerprint(NAME, torch.float32) == default_fp32.fingerprint
+    assert dense_fingerprint(NAME, torch.bfloat16) != default_fp32.fingerprint
+
+
+def test_the_folder_names_its_alias(tmp_path):
+    folder = hf_folder(NAME)
+    assert (folder / "config.json").is_file() and folder.parent == cache_dir() / "models"
+    assert alias_of_folder(folder) == NAME
+    assert hf_folder(str(folder)) == folder  # a folder is its own
+    assert alias_of_folder(tmp_path) is None  # outside the cache: no alias
+    assert dense_fingerprint(str(folder), torch.float32) != dense_fingerprint(NAME, torch.float32)  # keyed as given
+
+
+def test_kvblend_folder_prints_it(capsys):
+    assert main(["folder", NAME]) == 0
+    assert capsys.readouterr().out.strip() == str(hf_folder(NAME))
