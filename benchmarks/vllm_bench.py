@@ -34,6 +34,10 @@ from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB of KV cache per vLLM: an 8k prompt needs 0.1
+# Every vLLM on the same cores as kvblend's engine: by default vLLM binds its worker to the cores it
+# does not reserve for its scheduler, and it reserves one more where a KV connector is configured, so
+# on a small machine vLLM alone and vLLM with the connector would run on different thread counts.
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
 
 import torch  # noqa: E402
 

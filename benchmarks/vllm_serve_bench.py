@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -22,13 +23,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kvblend.config import load_settings
-from kvblend.engine.engine import Engine
-from kvblend.eval.datasets import load_dataset
-from kvblend.vllm import rag_messages, rag_prompt_text
-from blend_phases import cpu_name  # this script's folder is on sys.path
-from vllm_bench import SEPARATORS
-from vllm_server import vllm_serve
+# Both servers on every core (vllm_bench.py says why).
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{os.cpu_count() - 1}")
+
+from kvblend.config import load_settings  # noqa: E402
+from kvblend.engine.engine import Engine  # noqa: E402
+from kvblend.eval.datasets import load_dataset  # noqa: E402
+from kvblend.vllm import rag_messages, rag_prompt_text  # noqa: E402
+from blend_phases import cpu_name  # noqa: E402 - this script's folder is on sys.path
+from vllm_bench import SEPARATORS  # noqa: E402
+from vllm_server import vllm_serve  # noqa: E402
 
 
 def question(record) -> str:

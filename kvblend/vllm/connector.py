@@ -114,7 +114,7 @@ class KVBlendConnector(KVConnectorBase_V1):
     # ---- scheduler side ---------------------------------------------------------------------
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        return self.scheduler_side.matched(request, num_computed_tokens), False
+        return self.scheduler_side.matched(request, num_computed_tokens), False  # None: ask again next step
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         self.scheduler_side.after_alloc(request, num_external_tokens)

@@ -46,7 +46,10 @@ class SchedulerSide:
     mode: str  # the settings' mode: full serves every request with vLLM's own prefill
     rerotation_ok: bool
     pending: dict[str, Pending] = field(default_factory=dict)
-    skipped: int = 0  # requests with chunks that were left to vLLM (logprobs of the prompt asked, say)
+    # One blended prompt per step, as kvblend's own engine loop admits one prefill per step: the
+    # worker blends a step's prompts one after another before the step's forward, so admitting all
+    # waiting prompts at once would hold every first token until the last blend is done.
+    admitted: bool = False
 
     def request_mode(self, request) -> tuple[str, float | None]:
         """The request's own mode and ratio (kv_transfer_params {"kvblend": {"mode": ..., "ratio": ...}}),
@@ -59,18 +62,21 @@ class SchedulerSide:
         ratio = float(ratio) if isinstance(ratio, (int, float)) and 0 <= ratio <= 1 else None
         return (mode if mode in MODES else self.mode), ratio
 
-    def matched(self, request, num_computed: int) -> int:
-        """How many rows past vLLM's own hit kvblend will provide (0: none, vLLM as usual)."""
+    def matched(self, request, num_computed: int) -> int | None:
+        """How many rows past vLLM's own hit kvblend will provide (0: none, vLLM as usual; None: ask
+        again at the next step, this one has its blended prompt)."""
         ids = list(request.prompt_token_ids or [])
         mode, _ = self.request_mode(request)
         if mode not in ("reuse", "blend") or not self.rerotation_ok or len(ids) - 1 <= num_computed:
             return 0
         params = getattr(request, "sampling_params", None)
         if params is not None and getattr(params, "prompt_logprobs", None) is not None:
-            self.skipped += 1  # every prompt row's logits are asked for: only a full prefill has them
-            return 0
+            return 0  # every prompt row's logits are asked for: only a full prefill has them
         if not segment(ids, self.sep_ids).chunks:
             return 0
+        if self.admitted:
+            return None
+        self.admitted = True
         return len(ids) - 1 - num_computed
 
     def after_alloc(self, request, external: int) -> None:
@@ -80,7 +86,8 @@ class SchedulerSide:
             self.pending.pop(request.request_id, None)
 
     def jobs(self, scheduler_output) -> list[LoadJob]:
-        """The loads of the requests scheduled for the first time this step."""
+        """The loads of the requests scheduled for the first time this step (a new step begins)."""
+        self.admitted = False
         out = []
         for new in scheduler_output.scheduled_new_reqs:
             p = self.pending.pop(new.req_id, None)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections import deque
 import time
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import torch

@@ -1,7 +1,7 @@
 """vLLM's CPU build with kvblend's connector, on SmolLM2-135M-Instruct in fp32.
 
 The engine core and the worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a test
-reads both sides of the connector; tests/vllm/test_vllm_serve.py runs `vllm serve` as users do,
+reads both sides of the connector; tests/vllm/test_vllm_serve.py runs vLLM's OpenAI server as users do,
 with the scheduler and the worker in processes of their own. One connector per process (vLLM keeps
 it in a global): every test here shares one, configured once.
 """
@@ -12,7 +12,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # GiB: vLLM's default takes most of the machine
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
-import socket  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -20,15 +19,12 @@ import pytest  # noqa: E402
 
 from kvblend.model.loader import hf_folder  # noqa: E402
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # vllm_server
+from vllm_server import free_port  # noqa: E402
+
 MODEL = "smollm2-135m-instruct"
 SEPARATOR = "<file_sep>"  # one special token of SmolLM2: it keeps its id inside text vLLM tokenizes whole
 ENGINE = dict(dtype="float32", max_model_len=4096, enforce_eager=True, enable_prefix_caching=False)
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="session")
@@ -46,7 +42,7 @@ def connector_config(store_dir):
     # A Redis that nobody serves: every request meets an unreachable shared tier and must not notice.
     return {"kv_connector": "KVBlendConnector", "kv_connector_module_path": "kvblend.vllm", "kv_role": "kv_both",
             "kv_connector_extra_config": {"separator": SEPARATOR, "local_disk": str(store_dir),
-                                          "remote_url": f"redis://127.0.0.1:{closed_port()}"}}
+                                          "remote_url": f"redis://127.0.0.1:{free_port()}"}}
 
 
 @pytest.fixture(scope="session")
@@ -87,6 +83,3 @@ def tokenizer(folder):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(folder)
-
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))  # vllm_server

@@ -1,4 +1,4 @@
-"""`vllm serve` with kvblend's connector, as users run it: the scheduler and the worker in processes
+"""vLLM's OpenAI server (`vllm serve`'s) with kvblend's connector, as users run it: the scheduler and the worker in processes
 of their own, sharing chunks through the disk tier; the official openai client, a streamed chat whose
 prompt holds documents."""
 
