@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (KVConnectorBase_V
                                                                KVConnectorRole)
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
-from ..blend.segment import separator_ids
+from ..blend.segment import find_separators, separator_ids
 from ..config import Settings, load_settings
 from ..model.loader import alias_of_folder
 from ..model.rotary import check_rerotation
@@ -71,8 +71,6 @@ def warn_if_separator_splits(tokenizer, sep: list[int], separator: str) -> None:
     """Text prompts reach vLLM whole and are tokenized whole: a separator whose ids change with the
     text around it (" # # " merges its last space into the next word) is never found in them."""
     sample = tokenizer.encode(f"One fact.{separator}Another fact.{separator}Why?", add_special_tokens=False)
-    from ..blend.segment import find_separators
-
     if len(find_separators(sample, sep)) != 2:
         log.warning("kvblend connector: the separator %r does not keep its token ids inside whole text, so only "
                     "prompts sent as token ids will blend; for text and chat prompts set the separator to one "
