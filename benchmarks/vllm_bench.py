@@ -202,6 +202,8 @@ def main(argv: list[str] | None = None) -> dict:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1))
     engine.close()
+    for llm in (alone, blended):  # their engine processes end with them, before this one does
+        llm.llm_engine.engine_core.shutdown()
     return report
 
 
