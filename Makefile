@@ -45,11 +45,7 @@ DEMO_MODEL ?= qwen2.5-coder-0.5b-instruct
 demo: $(STAMP)  # no Redis: the demo keeps its chunks in memory
 	$(VENV)/bin/kvblend demo --model $(DEMO_MODEL)
 
-test: setup $(VLLM_STAMP)
-	$(PY) -m pytest
-	$(VLLM_PY) -m pytest tests/vllm
-
-# kvblend inside vLLM (kvblend.vllm, tests/vllm, benchmarks/vllm_*.py) runs from a venv of its own:
+# kvblend inside vLLM (kvblend.vllm, tests/in_vllm, benchmarks/vllm_*.py) runs from a venv of its own:
 # vLLM's CPU build pins its own transformers, and its resolver picks CUDA builds of torchvision,
 # torchaudio and torchcodec that cannot load beside torch+cpu (text serving needs none of them, so
 # they are removed, and `pip check` names the missing torchvision). The models tests and benchmarks
@@ -57,6 +53,11 @@ test: setup $(VLLM_STAMP)
 VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvblend-installed
+
+# Prerequisites expand when make reads them, so `test` comes after VLLM_STAMP is defined.
+test: setup $(VLLM_STAMP)
+	$(PY) -m pytest
+	$(VLLM_PY) -m pytest tests/in_vllm
 
 vllm: $(VLLM_STAMP)
 

@@ -6,9 +6,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_models
 
-# tests/vllm runs in the vLLM venv (`make test` runs both suites): vLLM pins its own transformers, so
+# tests/in_vllm runs in the vLLM venv (`make test` runs both suites): vLLM pins its own transformers, so
 # it lives beside kvblend's venv, not in it.
-collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm"]
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["in_vllm"]
 
 
 @pytest.fixture(scope="session")

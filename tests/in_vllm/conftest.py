@@ -1,7 +1,7 @@
 """vLLM's CPU build with kvblend's connector, on SmolLM2-135M-Instruct in fp32.
 
 The engine core and the worker run in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so a test
-reads both sides of the connector; tests/vllm/test_vllm_serve.py runs vLLM's OpenAI server as users do,
+reads both sides of the connector; tests/in_vllm/test_vllm_serve.py runs vLLM's OpenAI server as users do,
 with the scheduler and the worker in processes of their own. One connector per process (vLLM keeps
 it in a global): every test here shares one, configured once.
 """
