@@ -21,7 +21,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from .file_embedding import embed_from_file
-from .weights import QUANTIZED, quantized_linear, quantized_paths
+from .weights import HELD, QUANTIZED, WidenedEmbedding, WidenedLinear, quantized_linear, quantized_paths
 
 BLOCK_BYTES = 64 << 20  # a large tensor (embedding, output head) is read in blocks of rows this big
 LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -75,6 +75,36 @@ def _quantize_from_files(prefix: str, layer: torch.nn.Module, files: dict[str, P
     return covered
 
 
+def _hold_ends_bf16(hf: torch.nn.Module, params: dict[str, torch.nn.Parameter], files: dict[str, Path]) -> None:
+    """For bf16-fp32: the input embedding and the output head held in bf16, read from the files
+    (a tied head shares the embedding's table), their parameters taken out of `params` so the
+    fp32 tensors are never filled. An embedding of another kind (Gemma's scales its rows) stays
+    fp32, and so does a head tied to it."""
+    embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
+    embed_weight = getattr(embed, "weight", None)  # none where the embedding is read from its file
+    names = {id(p): n for n, p in params.items() if n in files}  # a tied tensor by its name in the files
+    table = None
+    if type(embed) is torch.nn.Embedding and embed.max_norm is None and id(embed.weight) in names:
+        name = names[id(embed.weight)]
+        table = torch.empty(embed.weight.shape, dtype=torch.bfloat16)
+        _copy_in(files[name], name, table)
+        hf.set_input_embeddings(WidenedEmbedding(table))
+    if type(head) is not torch.nn.Linear or head.bias is not None or id(head.weight) not in names:
+        head_table = None
+    elif head.weight is embed_weight:
+        head_table = table
+    else:
+        name = names[id(head.weight)]
+        head_table = torch.empty(head.weight.shape, dtype=torch.bfloat16)
+        _copy_in(files[name], name, head_table)
+    if head_table is not None:
+        hf.set_output_embeddings(WidenedLinear(head_table, None))
+    held = {id(embed_weight)} if table is not None else set()
+    held |= {id(head.weight)} if head_table is not None else set()
+    for name in [n for n, p in params.items() if id(p) in held]:
+        params.pop(name)
+
+
 def load_layerwise(folder: Path, config, dtype: torch.dtype, weights: str,
                    progress: bool = True) -> torch.nn.Module | None:
     """The model in `dtype` with its decoder layers in `weights` format, or None where the folder's
@@ -87,12 +117,15 @@ def load_layerwise(folder: Path, config, dtype: torch.dtype, weights: str,
         return None
     with no_init_weights():
         hf = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    hf.tie_weights()  # a tied output head shares the embedding's tensor (from_config leaves it apart)
     params = dict(hf.named_parameters(remove_duplicate=False))
     if {id(params[n]) for n in files if n in params} != {id(p) for p in params.values()}:
         return None
     embed = next(n for n, p in params.items() if p is hf.get_input_embeddings().weight)
     if embed_from_file(hf, files[embed], embed, dtype):
         params.pop(embed)
+    if weights == HELD:
+        _hold_ends_bf16(hf, params, files)
     by_layer: dict[int, list[str]] = defaultdict(list)
     for name in params:
         m = LAYER.search(name)

@@ -187,7 +187,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     dev = auto_device(device)
     dt = auto_dtype(dtype, dev)
     try:
-        fmt = resolve_weights(weights, dev, dt, int8_checked(name))
+        fmt = resolve_weights(weights, dev, dt, int8_checked(name), dtype_auto=dtype == "auto")
     except WeightsError as e:
         raise ModelLoadError(str(e)) from e
     weights_id = weights_identity(path)

@@ -7,26 +7,32 @@
   with it only as far as the rotation's product does (it rounds rows alike in whole decode blocks).
 - `int4`: weights 4-bit in groups of `INT4_GROUP` with a scale and zero each, activations left in
   their dtype (`torch._weight_int4pack_mm_for_cpu`): the smallest form, for memory, not for speed.
+- `bf16-fp32`: with fp32 activations, on CPUs without bf16 products: every linear layer's weights
+  (and a plain embedding with its tied output head) held in bf16, half fp32's memory, and widened
+  to fp32 into one reused buffer for each product (`WidenedLinear`), so the products stay fp32's.
 
-Only the decoder layers' MLP changes format (`QUANTIZED_PART`): it holds nine tenths of a layer's
+int8 and int4 change only the decoder layers' MLP (`QUANTIZED_PART`): it holds nine tenths of a layer's
 weights and products, while the attention projections, quantized too, carried most of the error
 (dev HotpotQA 36-46, Qwen2.5 0.5B: mean KL against fp32 0.0197 with every projection int8, 0.0085
 with the MLP alone). int8 rotates each product's input and weights by a block Hadamard matrix
 first (`Int8Linear`), and leaves the down projection dense (`DENSE_IN_MLP`): its input,
 silu(gate) * up, has the strongest outlier channels. Chosen on dev HotpotQA 30-59, against fp32
 full prefill: gate and up int8 KL 0.0015 unrotated, 0.0010 rotated (rows rotated in fp32
-then); the whole MLP 0.0074 and 0.0012; bf16 0.0005. The embedding, the norms, attention and
-the output head keep the activation dtype. `auto` keeps dense weights except where
-`auto_weights` picks int8.
+then); the whole MLP 0.0074 and 0.0012; bf16 0.0005. There the embedding, the norms, attention
+and the output head keep the activation dtype. `auto` keeps dense weights except where
+`auto_weights` picks int8 or bf16-fp32.
 """
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-WEIGHTS = ("auto", "fp32", "bf16", "int8", "int4")
+WEIGHTS = ("auto", "fp32", "bf16", "int8", "int4", "bf16-fp32")
+HELD = "bf16-fp32"  # weights held in bf16, products in fp32
 INT4_GROUP = 64
 ROTATION_BLOCKS = (128, 64, 32)  # int8's Hadamard block: the largest that divides the input
 
@@ -46,14 +52,18 @@ def cpu_flags() -> set[str]:
     return set()
 
 
-def auto_weights(dtype: torch.dtype, device: torch.device, int8_checked: bool = False) -> str:
-    """Dense weights in the activation dtype, except int8 for a model whose int8 full prefill held
+def auto_weights(dtype: torch.dtype, device: torch.device, int8_checked: bool = False,
+                 dtype_auto: bool = False) -> str:
+    """Dense weights in the activation dtype, except bf16-fp32 where `auto` chose fp32 on a CPU
+    (one without bf16 products: half the memory, fp32's speed), and int8 for a model whose int8 full prefill held
     its answers on held-out records (`int8_checked`), on a CPU where int8 pays (`int8_pays`). On
     Qwen2.5 1.5B int8 named another entity than fp32 full's on 1 of 30 held-out HotpotQA and 1 of 30
     MuSiQue answers (bf16: 2 and 1); on the 0.5B on 0 and 3 (bf16: 0 and 1), so the 0.5B stays
     dense (docs/results.md#weight-formats)."""
     if int8_checked and device.type == "cpu" and dtype == torch.bfloat16 and int8_pays():
         return "int8"
+    if dtype_auto and device.type == "cpu" and dtype == torch.float32:
+        return HELD
     return dense_format(dtype)
 
 
@@ -71,12 +81,16 @@ def dense_format(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "fp32")
 
 
-def resolve_weights(weights: str, device: torch.device, dtype: torch.dtype, int8_checked: bool = False) -> str:
+def resolve_weights(weights: str, device: torch.device, dtype: torch.dtype, int8_checked: bool = False,
+                    dtype_auto: bool = False) -> str:
     """The format to load: `auto` by auto_weights, a named one checked against device and dtype."""
     if weights not in WEIGHTS:
         raise WeightsError(f"unknown weights {weights!r}; choose {', '.join(WEIGHTS)}")
     if weights == "auto":
-        return auto_weights(dtype, device, int8_checked)
+        return auto_weights(dtype, device, int8_checked, dtype_auto)
+    if weights == HELD and dtype != torch.float32:
+        raise WeightsError(f"weights={HELD} computes in fp32: use dtype float32, "
+                           f"not {str(dtype).removeprefix('torch.')}")
     if weights in QUANTIZED and device.type != "cpu":
         raise WeightsError(f"weights={weights} has CPU kernels only; use bf16 on {device.type}")
     if weights in QUANTIZED and dtype not in (torch.float32, torch.bfloat16):
@@ -189,12 +203,69 @@ class Int4Linear(torch.nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int4 weights in groups of {INT4_GROUP}"
 
 
-QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear}
-QUANTIZED_PART = "mlp"
+WIDEN_BYTES = 64 << 20  # the fp32 buffer a product widens into: every decoder linear of the 1.5B in one
+_widen = threading.local()  # one buffer per thread that runs a model; layers run one after another
+
+
+def widened(w: torch.Tensor) -> torch.Tensor:
+    """w (bf16) in fp32, in this thread's reused buffer: valid until the next call. A fresh tensor
+    per product would be a fresh mapping too (glibc maps blocks this large), faulting its pages in
+    on every call."""
+    buf = getattr(_widen, "buf", None)
+    if buf is None or buf.numel() < w.numel():
+        buf = _widen.buf = torch.empty(max(w.numel(), WIDEN_BYTES // 4), dtype=torch.float32)
+    return buf[: w.numel()].view(w.shape).copy_(w)
+
+
+class WidenedLinear(torch.nn.Module):
+    """y = x W^T + b in fp32 with W held in bf16: each product widens W, in blocks of output rows
+    of at most WIDEN_BYTES (an output head is 544 MB in fp32 on Qwen2.5 0.5B), into one reused
+    buffer. Widening is exact, so this is fp32's product with W rounded to bf16 once. Where
+    gradients flow (adapter training), W is widened into a tensor of its own that autograd keeps."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().to(torch.bfloat16))
+        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32))
+        self.out_features, self.in_features = self.weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if torch.is_grad_enabled() and x.requires_grad:
+            return F.linear(x, w.float(), self.bias)
+        step = max(1, WIDEN_BYTES // (4 * self.in_features))
+        if step >= self.out_features:
+            return F.linear(x, widened(w), self.bias)
+        x2 = x.reshape(-1, self.in_features)
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        for i in range(0, self.out_features, step):
+            y[:, i:i + step] = x2 @ widened(w[i:i + step]).t()
+        if self.bias is not None:
+            y += self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, bf16 weights, fp32 products"
+
+
+class WidenedEmbedding(torch.nn.Module):
+    """A plain embedding whose table is held in bf16: rows looked up, then widened (exact)."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight", weight.detach().to(torch.bfloat16))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight).float()
+
+
+QUANTIZED = {"int8": Int8Linear, "int4": Int4Linear, HELD: WidenedLinear}
+# Per format, the part of a decoder layer it replaces linears in ("": the whole layer).
+QUANTIZED_PART = {"int8": "mlp", "int4": "mlp", HELD: ""}
 # Per quantized format, the MLP projections it leaves dense. int8's down projection gained about
 # 1 ms a layer over bf16 on Qwen2.5 0.5B (1,024 rows: its 4,864-wide input costs as much to rotate
 # and quantize as its product saves) for most of int8's error; int4 quantizes weights only.
-DENSE_IN_MLP = {"int8": ("down_proj",), "int4": ()}
+DENSE_IN_MLP = {"int8": ("down_proj",), "int4": (), HELD: ()}
 
 
 def format_key(weights: str) -> str:
@@ -216,7 +287,8 @@ def quantized_linear(weights: str, weight: torch.Tensor, bias: torch.Tensor | No
 
 def quantized_paths(layer: torch.nn.Module, weights: str) -> list[str]:
     """The linear layers of one decoder layer that format `weights` replaces, by module path."""
-    return [f"{QUANTIZED_PART}.{n}" for n, m in layer.get_submodule(QUANTIZED_PART).named_modules()
+    part = QUANTIZED_PART[weights]
+    return [f"{part}.{n}" if part else n for n, m in layer.get_submodule(part).named_modules()
             if isinstance(m, torch.nn.Linear) and n.rpartition(".")[2] not in DENSE_IN_MLP[weights]]
 
 
