@@ -56,7 +56,7 @@ VLLM_STAMP := $(VLLM_VENV)/.kvblend-installed
 
 # Prerequisites expand when make reads them, so `test` comes after VLLM_STAMP is defined.
 test: setup $(VLLM_STAMP)
-	$(PY) -m pytest
+	$(PY) -m pytest --durations=15
 	$(VLLM_PY) -m pytest tests/in_vllm
 
 vllm: $(VLLM_STAMP)

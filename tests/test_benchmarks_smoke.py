@@ -168,6 +168,15 @@ def test_linear_kernels(tmp_path):
     assert all(r["ms"] > 0 for r in rows)
 
 
+def test_weights_speed(tmp_path):
+    out = tmp_path / "speed.json"
+    run([bench("weights_speed"), "--lengths", "24,40", "--repeats", "1", "--decode-steps", "2",
+         "--out", str(out)], tmp_path)
+    result = json.loads(out.read_text())
+    assert set(result["prefill_s"]) == {"fp32", "bf16-fp32"} and set(result["prefill_s"]["fp32"]) == {"24", "40"}
+    assert all(s > 0 for s in result["decode_s"].values())
+
+
 def test_weight_formats(tmp_path, tiny_data):
     out = tmp_path / "formats.json"
     run([bench("weight_formats"), "--data", str(tiny_data), "--limit", "1", "--formats", "int8",
