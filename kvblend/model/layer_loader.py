@@ -75,6 +75,12 @@ def _quantize_from_files(prefix: str, layer: torch.nn.Module, files: dict[str, P
     return covered
 
 
+def _read_bf16(files: dict[str, Path], name: str, shape: torch.Size) -> torch.Tensor:
+    table = torch.empty(shape, dtype=torch.bfloat16)
+    _copy_in(files[name], name, table)
+    return table
+
+
 def _hold_ends_bf16(hf: torch.nn.Module, params: dict[str, torch.nn.Parameter], files: dict[str, Path]) -> None:
     """For bf16-fp32: the input embedding and the output head held in bf16, read from the files
     (a tied head shares the embedding's table), their parameters taken out of `params` so the
@@ -85,18 +91,14 @@ def _hold_ends_bf16(hf: torch.nn.Module, params: dict[str, torch.nn.Parameter], 
     names = {id(p): n for n, p in params.items() if n in files}  # a tied tensor by its name in the files
     table = None
     if type(embed) is torch.nn.Embedding and embed.max_norm is None and id(embed.weight) in names:
-        name = names[id(embed.weight)]
-        table = torch.empty(embed.weight.shape, dtype=torch.bfloat16)
-        _copy_in(files[name], name, table)
+        table = _read_bf16(files, names[id(embed.weight)], embed.weight.shape)
         hf.set_input_embeddings(WidenedEmbedding(table))
     if type(head) is not torch.nn.Linear or head.bias is not None or id(head.weight) not in names:
         head_table = None
     elif head.weight is embed_weight:
         head_table = table
     else:
-        name = names[id(head.weight)]
-        head_table = torch.empty(head.weight.shape, dtype=torch.bfloat16)
-        _copy_in(files[name], name, head_table)
+        head_table = _read_bf16(files, names[id(head.weight)], head.weight.shape)
     if head_table is not None:
         hf.set_output_embeddings(WidenedLinear(head_table, None))
     held = {id(embed_weight)} if table is not None else set()

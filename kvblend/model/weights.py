@@ -224,7 +224,7 @@ class WidenedLinear(torch.nn.Module):
     gradients flow (adapter training), W is widened into a tensor of its own that autograd keeps."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32):
-        super().__init__()
+        super().__init__()  # dtype: the quantized formats' signature; the products here are always fp32
         self.register_buffer("weight", weight.detach().to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.float32))
         self.out_features, self.in_features = self.weight.shape
