@@ -86,18 +86,38 @@ def wait_answers(proc: subprocess.Popen, port: int) -> None:
 NODE_TIMEOUT_MS = 1000  # how long a master may be silent before its replica takes over
 
 
-def free_node_port() -> int:
-    """A loopback port free for a node and for its cluster bus (the port + 10000, so below 55536)."""
-    for _ in range(200):
-        port = random.randrange(20000, 55000)
+def ephemeral_ports() -> range:
+    """The kernel's range for outgoing connections' ports: a listener chosen there may be taken by
+    a client's connection between the check and the bind."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return range(low, high + 1)
+    except (OSError, ValueError):
+        return range(32768, 61000)
+
+
+def free_node_ports(count: int) -> list[int]:
+    """`count` loopback ports, each free for a node and for its cluster bus (the port + 10000),
+    none another's bus port, all outside the ephemeral range when it leaves room."""
+    ephemeral = ephemeral_ports()
+    low, high = (20000, 55000) if ephemeral.start - 10000 <= 20000 + count else (10000, ephemeral.start - 10000)
+    taken: set[int] = set()
+    ports: list[int] = []
+    for _ in range(200 * count):
+        if len(ports) == count:
+            return ports
+        port = random.randrange(low, high)
+        if {port, port + 10000} & taken:
+            continue
         try:
             with socket.socket() as a, socket.socket() as b:
                 a.bind(("127.0.0.1", port))
                 b.bind(("127.0.0.1", port + 10000))
-            return port
         except OSError:
             continue
-    raise RuntimeError("no free loopback port pair for a cluster node")
+        ports.append(port)
+        taken |= {port, port + 10000}
+    raise RuntimeError("no free loopback port pairs for a cluster's nodes")
 
 
 def missing_binaries() -> list[str]:
@@ -112,7 +132,7 @@ class LocalCluster:
     def __init__(self, masters: int = 3, replicas: int = 1):
         if missing_binaries():
             raise RuntimeError(f"{' and '.join(missing_binaries())} not installed (apt-get install redis-server)")
-        self.ports = [free_node_port() for _ in range(masters * (1 + replicas))]
+        self.ports = free_node_ports(masters * (1 + replicas))
         self.masters, self.replicas = masters, replicas
         self.dir = Path(tempfile.mkdtemp(prefix="kvblend-cluster-"))
         self.procs: dict[int, subprocess.Popen] = {}
@@ -127,7 +147,7 @@ class LocalCluster:
         folder.mkdir(exist_ok=True)
         self.procs[port] = subprocess.Popen(
             ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--dir", str(folder),
-             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+             "--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf", "--logfile", "redis.log",
              "--cluster-node-timeout", str(NODE_TIMEOUT_MS), "--save", "", "--appendonly", "no",
              # A replica that lost its master for a while may still take over: the tests kill masters.
              "--cluster-replica-validity-factor", "0", "--maxmemory-policy", "allkeys-lru",
@@ -150,24 +170,35 @@ class LocalCluster:
             raise
         return self
 
-    def wait_healthy(self, timeout_s: float = 30) -> None:
+    def wait_healthy(self, timeout_s: float = 60) -> None:
         """Until every live node says the cluster is ok, it has `masters` masters and every live
-        replica is in sync with its master."""
+        replica is in sync with its master; past `timeout_s`, an error that says what did not hold."""
         deadline = time.monotonic() + timeout_s
         while True:
             live = [p for p in self.ports if self.procs[p].poll() is None]
             try:
                 states = [redis.Redis(port=p).cluster("info")["cluster_state"] for p in live]
                 masters = self.master_ports()
-                synced = all(redis.Redis(port=p).info("replication").get("master_link_status") == "up"
-                             for p in live if p not in masters)
-                if all(s == "ok" for s in states) and len(masters) == self.masters and synced:
+                links = {p: redis.Redis(port=p).info("replication").get("master_link_status")
+                         for p in live if p not in masters}
+                if all(s == "ok" for s in states) and len(masters) == self.masters and \
+                        all(link == "up" for link in links.values()):
                     return
-            except redis.RedisError:
-                pass
+                seen = f"states {states}, masters {masters}, replica links {links}"
+            except redis.RedisError as e:
+                seen = f"a node did not answer: {e}"
             if time.monotonic() > deadline:
-                raise RuntimeError("the Redis Cluster did not become healthy")
+                raise RuntimeError(f"the Redis Cluster did not become healthy in {timeout_s:.0f} s: {seen}; "
+                                   f"dead nodes {[p for p in self.ports if p not in live]}\n{self.log_tails()}")
             time.sleep(0.05)
+
+    def log_tails(self, lines: int = 5) -> str:
+        tails = []
+        for port in self.ports:
+            log = self.dir / str(port) / "redis.log"
+            text = log.read_text(errors="replace").splitlines()[-lines:] if log.exists() else []
+            tails.append(f"node {port}:\n" + "\n".join(text))
+        return "\n".join(tails)
 
     def client(self) -> RedisCluster:
         live = next(p for p in self.ports if self.procs[p].poll() is None)
@@ -209,10 +240,22 @@ class LocalCluster:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def start_cluster(attempts: int = 2) -> LocalCluster:
+    """A started LocalCluster; one that does not form is stopped and built again on fresh ports,
+    and the last attempt's error is raised."""
+    for attempt in range(attempts):
+        try:
+            return LocalCluster().start()
+        except RuntimeError:
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 @contextmanager
 def redis_cluster() -> Iterator[str]:
     """A fresh local Redis Cluster, stopped afterwards; yields its redis+cluster:// URL."""
-    cluster = LocalCluster().start()
+    cluster = start_cluster()
     try:
         yield cluster.url
     finally:

@@ -32,7 +32,7 @@ from kvblend.store.entry_format import EntrySpec
 from kvblend.store.half import halve
 from kvblend.store.redis_capacity import KeptCapacity
 from kvblend.store.redis_tier import RedisTier
-from local_servers import LocalCluster, redis_server  # this script's folder is on sys.path
+from local_servers import redis_server, start_cluster  # this script's folder is on sys.path
 
 SPEC = EntrySpec("bench", "float32", 30, 3, 64)  # SmolLM2-135M's KV shape, stored in bf16 (kv_half)
 
@@ -119,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
 
     values = {f"chunk-{i:04d}": entry(args.tokens, i) for i in range(args.entries)}
     rows = {}
-    cluster = LocalCluster().start()
+    cluster = start_cluster()
     try:
         masters = [redis.Redis(port=p) for p in cluster.master_ports()]
         for name in ("server", "kept"):

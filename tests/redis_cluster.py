@@ -21,11 +21,16 @@ local_servers = sys.modules["local_servers"]
 LocalCluster = local_servers.LocalCluster
 
 
-def start_cluster() -> LocalCluster:
+def skip_without_binaries() -> None:
     missing = local_servers.missing_binaries()
     if missing:
         pytest.skip(f"{' and '.join(missing)} not installed: the Redis Cluster tests need them "
                     "(`make setup` installs redis-server, which brings redis-cli)")
+
+
+def start_cluster() -> LocalCluster:
+    """A cluster on fresh ports, not started yet."""
+    skip_without_binaries()
     return LocalCluster()
 
 
@@ -33,7 +38,8 @@ def start_cluster() -> LocalCluster:
 def redis_cluster():
     """One cluster for the session (starting one takes a few seconds); each test that uses it
     starts from empty masters."""
-    nodes = start_cluster().start()
+    skip_without_binaries()
+    nodes = local_servers.start_cluster()
     yield nodes
     nodes.stop()
 
