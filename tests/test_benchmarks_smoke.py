@@ -64,6 +64,20 @@ def test_storage_bench(tmp_path, tiny_data):
     assert json.loads(out.read_text())["rows"]
 
 
+def test_redis_cluster_bench(tmp_path):
+    out = run([bench("redis_cluster_bench"), "--entries", "8", "--chunks", "4", "--prompts", "2"], tmp_path)
+    rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ") and "---" not in line]
+    assert rows[1:] == ["| cluster, capacity server", "| cluster, capacity kept", "| one server, capacity kept"]
+
+
+def test_peak_rss(tmp_path, tiny_data):
+    out = run([bench("peak_rss"), "--data", str(tiny_data), "--length", "160", "--dtype", "float32",
+               "--threads", "1"], tmp_path)
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["dtype"] == "float32" and 0 < result["tokens"] <= 160
+    assert result["loaded_peak_mib"] <= result["after_full_peak_mib"] <= result["after_blend_peak_mib"]
+
+
 def test_tier_bandwidth(tmp_path):
     out = tmp_path / "tiers.json"
     run([bench("tier_bandwidth"), "--tokens", "32", "--layers", "2", "--repeats", "1", "--out", str(out)], tmp_path)
