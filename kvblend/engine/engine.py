@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import logging
 import warnings
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -304,7 +305,7 @@ class Engine:
             if self.blocks_missing(first, first_seg, len(first), start=C):
                 todo[tuple(first)] = (first, first_seg)
         firsts = list(todo.values())
-        encoded = encode_chunks(self.runner, token_ids[:C], [first[C:] for first, _ in firsts])
+        encoded = list(encode_chunks(self.runner, token_ids[:C], [first[C:] for first, _ in firsts]))
         for (first, first_seg), kv in zip(firsts, encoded):  # each encoding is just its blocks' rows
             self.store_prefix(first, first_seg, kv.k, kv.v, len(first), start=C, copy=False)
         return {tuple(first[C:len(first) - n_sep]): kv for (first, _), kv in zip(firsts, encoded)}
@@ -329,7 +330,7 @@ class Engine:
         firsts = {}
         if self.settings.exact_first_chunk and seg.separators and seg.exact_end > 0:
             firsts = self._store_firsts(token_ids, seg)
-        for key, kv in self._encode(todo, context, firsts).items():
+        for key, kv in self._encode(todo, context, firsts):
             self._store_chunk(key, kv)
         return len(todo)
 
@@ -346,17 +347,17 @@ class Engine:
         very rows its first-chunk encoding began with: they are cut from it, not encoded again
         (unless a chunk adapter makes chunk KV, which exact first chunks never use)."""
         leads = {key: self.keys.lead_ids(ids) for key, ids in todo.items()}
-        out = {}
         cut = self.keys.chunk_context == "prefix" and self.adapter is None
+        rest = []
         for key, ids in todo.items():
             kv = firsts.get(tuple(ids)) if cut and not leads[key] else None
             if kv is not None:  # views: in memory the chunk and its blocks share one tensor (counted twice)
                 n = len(ids)
-                out[key] = ChunkKV(kv.k[:, :, :n], kv.v[:, :, :n], kv.positions[:n].clone())
-        rest = [key for key in todo if key not in out]
-        out.update(zip(rest, encode_chunks(self.runner, context, [todo[k] for k in rest], [leads[k] for k in rest],
-                                           self.adapter)))
-        return out
+                yield key, ChunkKV(kv.k[:, :, :n], kv.v[:, :, :n], kv.positions[:n].clone())
+            else:
+                rest.append(key)
+        yield from zip(rest, encode_chunks(self.runner, context, [todo[k] for k in rest], [leads[k] for k in rest],
+                                           self.adapter))
 
     def store_after(self, token_ids: list[int], plan: Plan, out: PrefillOutput, mode: str,
                     misses: bool = True) -> list[Span]:
