@@ -78,7 +78,7 @@ eval: setup
 	$(VENV)/bin/kvblend eval --data ../shared/data/musique_s.dev.json --limit 30 --modes reuse,blend --ratios 0.05,0.15,0.3,1.0 --out results/musique30
 
 # docs/results.md's tables and docs/img/*.png, rebuilt from fresh runs on this machine: the held-out
-# evals (records 0-29 of MuSiQue and HotpotQA, both shipped models, the default engine at the default
+# evals (records 0-29 of MuSiQue and HotpotQA, the three shipped models, the default engine at the default
 # ratio and one higher), where blend's time goes, and full prefill against prompt length.
 DATA ?= ../shared/data
 RESULTS_LIMIT ?= 30
@@ -89,6 +89,8 @@ results: setup
 	$(RESULTS_EVAL) --data $(DATA)/hotpotqa_s.dev.json --out results/eval/smollm2-hotpotqa
 	$(RESULTS_EVAL) --model gemma3-270m --data $(DATA)/musique_s.dev.json --out results/eval/gemma3-musique
 	$(RESULTS_EVAL) --model gemma3-270m --data $(DATA)/hotpotqa_s.dev.json --out results/eval/gemma3-hotpotqa
+	$(RESULTS_EVAL) --model qwen2.5-coder-0.5b-instruct --data $(DATA)/musique_s.dev.json --out results/eval/qwen05-musique
+	$(RESULTS_EVAL) --model qwen2.5-coder-0.5b-instruct --data $(DATA)/hotpotqa_s.dev.json --out results/eval/qwen05-hotpotqa
 	$(PY) benchmarks/blend_phases.py --data $(DATA)/musique_s.dev.json --limit 1 --repeats 1 \
 		--ratios 0.08,0.3 --out results/phases/musique.json
 	$(PY) benchmarks/blend_phases.py --data $(DATA)/hotpotqa_s.dev.json --limit 3 --repeats 1 \

@@ -6,6 +6,7 @@ getrusage): it loads the model, stores the prompt's chunks, then serves it throu
 and the bytes one stored chunk token takes.
 
     python benchmarks/peak_rss.py --model qwen2.5-coder-0.5b-instruct --length 8192
+    python benchmarks/peak_rss.py --model qwen2.5-coder-0.5b-instruct --length 6144 --full-only
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--length", type=int, default=8192)
     ap.add_argument("--data", default="../shared/data/musique_s.dev.json")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--full-only", action="store_true",
+                    help="a process that only answers the prompt in full: nothing stored, no blend")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     out = {"model": args.model, "length": args.length, "start_peak_mib": peak_mib()}
@@ -55,11 +58,12 @@ def main(argv: list[str] | None = None) -> dict:
     out["weights"] = engine.model.weights
     out["loaded_peak_mib"], out["loaded_rss_mib"] = peak_mib(), rss_mib()
     ids = prompt_of_length(engine.tokenizer, engine.sep_ids, load_dataset(args.data, limit=20), args.length)
-    engine.precompute(ids)
-    out["stored_peak_mib"], out["stored_rss_mib"] = peak_mib(), rss_mib()
-    r = engine.runner
-    out["stored_bytes_per_token"] = 2 * r.n_layers * r.n_kv_heads * r.head_dim * engine.model.dtype.itemsize
-    for mode in ("full", "blend"):  # as served: the engine loop, a long full prefill in pieces
+    if not args.full_only:
+        engine.precompute(ids)
+        out["stored_peak_mib"], out["stored_rss_mib"] = peak_mib(), rss_mib()
+        r = engine.runner
+        out["stored_bytes_per_token"] = 2 * r.n_layers * r.n_kv_heads * r.head_dim * engine.model.dtype.itemsize
+    for mode in ("full",) if args.full_only else ("full", "blend"):  # as served: the engine loop, a long full prefill in pieces
         generate(engine, ids, SamplingParams(max_tokens=1), mode, store=False)
         out[f"after_{mode}_peak_mib"], out[f"after_{mode}_rss_mib"] = peak_mib(), rss_mib()
     out["tokens"] = len(ids)

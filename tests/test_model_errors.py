@@ -64,3 +64,15 @@ def test_dtype_choices():
     assert auto_dtype("auto", cpu) in (torch.float32, torch.bfloat16)
     with pytest.raises(ModelLoadError, match="unknown dtype"):
         auto_dtype("float8", cpu)
+
+
+@pytest.mark.parametrize("flags,capability,want", [
+    ({"avx2", "amx_bf16"}, "AVX512", torch.bfloat16), ({"avx2", "avx512_bf16"}, "AVX512", torch.bfloat16),
+    ({"avx2"}, "AVX2", torch.float32),
+    ({"avx2", "amx_bf16"}, "AVX2", torch.float32),  # ATEN_CPU_CAPABILITY=avx2: torch's kernels lack bf16
+    ({"avx2", "amx_bf16"}, "DEFAULT", torch.float32)])
+def test_auto_dtype_follows_the_cpu_and_torch_kernels(monkeypatch, flags, capability, want):
+    import kvblend.model.loader as loader
+    monkeypatch.setattr(loader, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    assert auto_dtype("auto", torch.device("cpu")) == want

@@ -25,6 +25,7 @@ from ..blend.plan import KeyScheme, Plan, block_bounds, make_plan
 from ..blend.segment import Segments, Span, segment, separator_ids
 from ..config import Settings
 from ..model.adapter import resolve_adapter
+from ..model.allocator import release_freed_memory
 from ..model.aliases import stale_key_scale_for
 from ..model.loader import LoadedModel, load_model
 from ..model.rotary import check_rerotation
@@ -332,6 +333,8 @@ class Engine:
             firsts = self._store_firsts(token_ids, seg)
         for key, kv in self._encode(todo, context, firsts):
             self._store_chunk(key, kv)
+        if self.model.device.type == "cpu" and (todo or firsts):
+            release_freed_memory()  # the encodings' caches and activations: a request's are shaped otherwise
         return len(todo)
 
     def _store_chunk(self, key: str, kv: ChunkKV) -> None:

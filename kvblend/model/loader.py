@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .allocator import bound_kernel_caches, keep_freed_memory
+from .allocator import bound_kernel_caches, keep_freed_memory, release_freed_memory
 from .aliases import ALIASES, DEFAULT_MODEL, ModelLoadError, cache_dir, int8_checked, resolve_alias
 from .layer_loader import load_layerwise
 from .weights import QUANTIZED, WeightsError, cpu_flags, dense_format, format_key, quantize_layer, resolve_weights
@@ -110,7 +110,10 @@ def auto_device(device: str = "auto") -> torch.device:
 
 
 def cpu_has_fast_bf16() -> bool:
-    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+    """bf16 products in the CPU, and torch's kernels allowed to use them: ATEN_CPU_CAPABILITY=avx2
+    (or default) holds torch to kernels without them, as on a CPU that lacks them."""
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"}) and \
+        torch.backends.cpu.get_cpu_capability() not in ("DEFAULT", "AVX2")
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -201,6 +204,8 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     if hf is None:  # .bin weights, names transformers maps itself, or a GPU: transformers' loader
         hf = _load_whole(folder, dt, fmt)
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    if dev.type == "cpu":
+        release_freed_memory()
     return LoadedModel(hf.to(dev), tokenizer, name, fingerprint(config, weights_id, dt, fmt), dt, dev, fmt)
 
 

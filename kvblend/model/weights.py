@@ -203,7 +203,7 @@ class Int4Linear(torch.nn.Module):
         return f"in={self.in_features}, out={self.out_features}, int4 weights in groups of {INT4_GROUP}"
 
 
-WIDEN_BYTES = 64 << 20  # the fp32 buffer a product widens into: every decoder linear of the 1.5B in one
+WIDEN_BYTES = 16 << 20  # the fp32 buffer a product widens into: a decoder linear of the 0.5B in one or two blocks
 _widen = threading.local()  # one buffer per thread that runs a model; layers run one after another
 
 
