@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> dict:
         out["stored_peak_mib"], out["stored_rss_mib"] = peak_mib(), rss_mib()
         r = engine.runner
         out["stored_bytes_per_token"] = 2 * r.n_layers * r.n_kv_heads * r.head_dim * engine.model.dtype.itemsize
-    for mode in ("full",) if args.full_only else ("full", "blend"):  # as served: the engine loop, a long full prefill in pieces
+    # As served: the engine loop, a long full prefill in pieces.
+    for mode in ("full",) if args.full_only else ("full", "blend"):
         generate(engine, ids, SamplingParams(max_tokens=1), mode, store=False)
         out[f"after_{mode}_peak_mib"], out[f"after_{mode}_rss_mib"] = peak_mib(), rss_mib()
     out["tokens"] = len(ids)
