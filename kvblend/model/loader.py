@@ -22,6 +22,7 @@ import torch
 from .allocator import bound_kernel_caches, keep_freed_memory, release_freed_memory
 from .aliases import ALIASES, DEFAULT_MODEL, ModelLoadError, cache_dir, int8_checked, resolve_alias
 from .layer_loader import load_layerwise
+from .tokenizer import load_tokenizer
 from .weights import QUANTIZED, WeightsError, cpu_flags, dense_format, format_key, quantize_layer, resolve_weights
 
 log = logging.getLogger(__name__)
@@ -184,7 +185,7 @@ def check_architecture(config, name: str) -> None:
 
 def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", device: str = "auto",
                weights: str = "auto", progress: bool = True) -> LoadedModel:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoConfig
 
     path = resolve_model_path(name)
     dev = auto_device(device)
@@ -203,7 +204,7 @@ def load_model(name: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto", dev
     hf = load_layerwise(folder, config, dt, fmt, progress) if dev.type == "cpu" else None
     if hf is None:  # .bin weights, names transformers maps itself, or a GPU: transformers' loader
         hf = _load_whole(folder, dt, fmt)
-    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer = load_tokenizer(folder)
     if dev.type == "cpu":
         release_freed_memory()
     return LoadedModel(hf.to(dev), tokenizer, name, fingerprint(config, weights_id, dt, fmt), dt, dev, fmt)

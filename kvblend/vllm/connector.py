@@ -25,6 +25,7 @@ from ..blend.segment import find_separators, separator_ids
 from ..config import Settings, load_settings
 from ..model.loader import alias_of_folder
 from ..model.rotary import check_rerotation
+from ..model.tokenizer import load_tokenizer
 from .model_view import transformers_rotary, unsupported
 from .scheduler_side import LoadJob, SchedulerSide
 from .worker_side import WorkerSide
@@ -93,10 +94,8 @@ class KVBlendConnector(KVConnectorBase_V1):
             self.worker_side = WorkerSide(self.settings, vllm_config)
 
     def _scheduler(self, vllm_config) -> SchedulerSide:
-        from transformers import AutoTokenizer
-
         mc = vllm_config.model_config
-        tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
+        tokenizer = load_tokenizer(mc.tokenizer)
         sep = separator_ids(tokenizer, self.settings.separator)
         warn_if_separator_splits(tokenizer, sep, self.settings.separator)
         why = unsupported(mc.hf_config, vllm_config.parallel_config)

@@ -20,6 +20,7 @@ import torch
 from ..config import Settings
 from ..engine.engine import Engine
 from ..model.loader import dense_fingerprint
+from ..model.tokenizer import load_tokenizer
 from .model_view import view_model
 from .paged import slots, write_rows
 from .scheduler_side import LoadJob
@@ -84,11 +85,9 @@ class WorkerSide:
 
     def _engine(self) -> Engine:
         if self.engine is None:
-            from transformers import AutoTokenizer
-
             mc = self.vllm_config.model_config
             s = self.settings
-            tokenizer = AutoTokenizer.from_pretrained(mc.tokenizer)
+            tokenizer = load_tokenizer(mc.tokenizer)
             model = view_model(served_model(), mc.hf_config, tokenizer, s.model,
                                dense_fingerprint(s.model, mc.dtype), mc.dtype, torch.device(self.vllm_config.device_config.device))
             self.engine = Engine(model, s)
