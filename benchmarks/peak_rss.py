@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> dict:
         engine.precompute(ids)
         out["stored_peak_mib"], out["stored_rss_mib"] = peak_mib(), rss_mib()
         r = engine.runner
-        out["stored_bytes_per_token"] = 2 * r.n_layers * r.n_kv_heads * r.head_dim * engine.model.dtype.itemsize
+        out["stored_bytes_per_token"] = 2 * r.n_layers * r.n_kv_heads * r.head_dim * r.kv_dtype.itemsize
     # As served: the engine loop, a long full prefill in pieces.
     for mode in ("full",) if args.full_only else ("full", "blend"):
         generate(engine, ids, SamplingParams(max_tokens=1), mode, store=False)

@@ -408,7 +408,7 @@ def test_the_probe_sums_its_attention_from_the_chosen_layer_on():
     for mass_from in (0, 2, L - 1):
         loader = ChunkLoader(runner, plan, full.cache)
         loader.start([])
-        stale = StaleBias(1.0, torch.zeros(T, dtype=torch.bool), full.cache)
+        stale = StaleBias(1.0, torch.zeros(T, dtype=torch.bool), full.cache, runner.dtype)
         with torch.inference_mode():
             passes[mass_from] = run_layers(runner, full.cache, loader, runner.rows(token_ids, pos), pos, stale,
                                            watch=torch.ones(len(pos), dtype=torch.bool), mass_from=mass_from)

@@ -163,10 +163,11 @@ class StaleBias:
     """Sets each layer's key bias: log(scale) on the reused rows whose KV there is stale (loaded,
     not written by this pass), no bias where there are none. Layers below `exact_below` hold no
     stale rows (a blend pass that computes only candidates there: layer 0's loaded KV is exact).
-    `hidden` positions (a pass that skips them) get -inf: no row reads their keys."""
+    `hidden` positions (a pass that skips them) get -inf: no row reads their keys. The bias is in
+    the activation dtype `dtype` (KV may be held narrower)."""
 
-    def __init__(self, scale: float, reused: torch.Tensor, cache: KVCache):
-        self.log_scale, self.reused, self.cache = math.log(scale), reused, cache
+    def __init__(self, scale: float, reused: torch.Tensor, cache: KVCache, dtype: torch.dtype):
+        self.log_scale, self.reused, self.cache, self.dtype = math.log(scale), reused, cache, dtype
         self.written, self.bias = None, None
         self.exact_below = 0
         self.hidden: torch.Tensor | None = None
@@ -188,7 +189,7 @@ class StaleBias:
             stale[written] = False
             self.written, self.bias = written, None
             if (self.log_scale != 0 and bool(stale.any())) or self.hidden is not None:
-                self.bias = torch.zeros(self.cache.capacity, dtype=self.cache.k.dtype, device=stale.device)
+                self.bias = torch.zeros(self.cache.capacity, dtype=self.dtype, device=stale.device)
                 self.bias[: stale.shape[0]][stale] = self.log_scale
                 if self.hidden is not None:
                     self.bias[self.hidden] = float("-inf")
@@ -283,7 +284,7 @@ def prefill(runner: Runner, plan: Plan, mode: str, cfg: BlendConfig, extra_capac
     ids = plan.token_ids.to(dev)
     must = pos[P:][~reused[P:]]  # separators, missed chunks, the suffix
     computed, attention, probe_depth, probe_reads = 0, None, 0, ()
-    stale = StaleBias(cfg.stale_key_scale if mode in ("reuse", "blend") else 1.0, reused, cache)
+    stale = StaleBias(cfg.stale_key_scale if mode in ("reuse", "blend") else 1.0, reused, cache, runner.dtype)
     L = runner.n_layers
     if mode in ("full", "prefix") or not bool(reused.any()):
         chunk_layers, active = range(0), pos[P:]  # nothing reused: every row, every layer

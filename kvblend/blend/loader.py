@@ -173,7 +173,7 @@ class ChunkLoader:
         k = k.to(self.runner.device, self.cache.k.dtype)  # half-stored K is rotated in the cache's dtype
         v = torch.cat([kv[1][:, a:b] for (_, kv), (a, b) in zip(moved, spans)], dim=1)
         self.cache.k[layer][:, dest] = self.runner.rerotate(layer, k, tables)
-        self.cache.v[layer][:, dest] = v.to(self.runner.device)
+        self.cache.v[layer][:, dest] = v.to(self.runner.device, self.cache.v.dtype)
 
     def _work(self) -> None:
         # One thread for the reader's small ops: a second OpenMP team would fight the prefill's

@@ -100,13 +100,14 @@ class Engine:
         # Models without a tokenizer (tests' tiny random models) name their separator ids.
         self.sep_ids = sep_ids or separator_ids(self.tokenizer, s.separator)
         # How chunk KV is stored: int8 where asked, else bfloat16 where the model computes in float32.
-        self.chunk_storage = "int8" if s.kv_int8 else "bf16" if s.kv_half and model.dtype == torch.float32 else ""
-        self.keys = KeyScheme(s.namespace, model.fingerprint, model.dtype, s.chunk_context, s.chunk_size, bos,
+        kv_dtype = model.kv_dtype  # what caches and stored KV hold (bf16 under fp32 products on some CPUs)
+        self.chunk_storage = "int8" if s.kv_int8 else "bf16" if s.kv_half and kv_dtype == torch.float32 else ""
+        self.keys = KeyScheme(s.namespace, model.fingerprint, kv_dtype, s.chunk_context, s.chunk_size, bos,
                               self.chunk_storage, self.sep_ids)
         self.adapter = resolve_adapter(s.chunk_adapter, s.model, model.config)
         self.keys.adapter = self.adapter.identity if self.adapter is not None else ""
         r = self.runner
-        self.spec = EntrySpec(model.fingerprint, dtype_name(model.dtype), r.n_layers, r.n_kv_heads, r.head_dim)
+        self.spec = EntrySpec(model.fingerprint, dtype_name(kv_dtype), r.n_layers, r.n_kv_heads, r.head_dim)
         self.store = build_store(s, self.spec)
         # Each namespace's neighbour index, kept beside the store's entries (Redis, local_disk).
         own = (s.namespace, Path(s.neighbour_index)) if s.neighbour_index is not None else None

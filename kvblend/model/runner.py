@@ -91,8 +91,14 @@ class KVCache:
         self.length = min(self.length, length)
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer][:, positions] = k
-        self.v[layer][:, positions] = v
+        self.k[layer][:, positions] = k.to(self.k.dtype)  # no-op but where KV is held narrower
+        self.v[layer][:, positions] = v.to(self.v.dtype)
+
+    def layer_kv(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `layer` at positions [first, readable) in `dtype`: views where the cache holds
+        that dtype, else widened copies (a layer's, read once per pass)."""
+        k, v = self.k[layer][:, self.first:self.readable], self.v[layer][:, self.first:self.readable]
+        return k.to(dtype), v.to(dtype)
 
 
 @dataclass
@@ -132,6 +138,7 @@ class Runner:
         self.max_len = cfg.max_position_embeddings
         self.windows = [self._window(layer) for layer in self.layers]
         self.dtype, self.device = model.dtype, model.device
+        self.kv_dtype = model.kv_dtype  # what caches hold (LoadedModel.kv_dtype)
         # A chunk adapter acts only inside `adapting` (chunk precompute): every other pass is the
         # model's own, with no extra operation at all.
         self.adapter: ChunkAdapter | None = None
@@ -152,7 +159,7 @@ class Runner:
         return getattr(self.cfg, "sliding_window", None) if self.cfg.model_type == "mistral" else None
 
     def new_cache(self, capacity: int) -> KVCache:
-        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.dtype, self.device)
+        return KVCache(self.n_layers, self.n_kv_heads, self.head_dim, capacity, self.kv_dtype, self.device)
 
     # ---- pieces of one layer -------------------------------------------------------------
 
@@ -209,7 +216,8 @@ class Runner:
                 held = rows.groups[first, window, "bias"] = (bias, biased_groups(groups, bias[first:]))
             groups = held[1]
         # attn.scaling is the model's own (Gemma 3: query_pre_attn_scalar ** -0.5).
-        return attend(q, cache.k[layer][:, first:], cache.v[layer][:, first:], groups, attn.scaling)
+        k, v = cache.layer_kv(layer, q.dtype)
+        return attend(q, k, v, groups, attn.scaling)
 
     def after_attention(self, layer: int, h: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
         """o_proj of the attention output o [H, n, d], residual, MLP: the rows' next hidden states."""
