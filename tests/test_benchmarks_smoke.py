@@ -193,8 +193,8 @@ def test_weights_speed(tmp_path):
 
 def test_weight_formats(tmp_path, tiny_data):
     out = tmp_path / "formats.json"
-    run([bench("weight_formats"), "--data", str(tiny_data), "--limit", "1", "--formats", "int8",
+    run([bench("weight_formats"), "--data", str(tiny_data), "--limit", "1", "--formats", "bf16-fp32",
          "--dtype", "float32", "--answer-tokens", "4", "--positions", "2", "--out", str(out)], tmp_path)
     result = json.loads(out.read_text())
-    assert set(result["summary"]) == {"int8 full", "int8 blend"}
-    assert 0 <= result["summary"]["int8 full"]["kl_answer"] < 1
+    assert set(result["summary"]) == {"bf16-fp32 full", "bf16-fp32 blend"}
+    assert 0 <= result["summary"]["bf16-fp32 full"]["kl_answer"] < 1

@@ -99,7 +99,7 @@ def test_the_command_runs_on_the_default_model_and_says_llama_cpp_was_skipped(tm
     torch_threads = torch.get_num_threads()
     try:
         report = bench.main(["--lengths", "128,256", "--repeats", "1", "--threads", "1", "--data", str(data),
-                             "--out", str(out), "--dtype", "float32", "--weights", "auto,int8"])
+                             "--out", str(out), "--dtype", "float32", "--weights", "auto,bf16-fp32"])
     finally:
         torch.set_num_threads(torch_threads)
     assert "llama.cpp skipped: no --llama-python given" in capsys.readouterr().out
@@ -107,8 +107,8 @@ def test_the_command_runs_on_the_default_model_and_says_llama_cpp_was_skipped(tm
     assert saved["llama_skipped"] and [r["tokens"] for r in saved["rows"]] == [128, 256]
     assert saved["systems"] == report["systems"] and "llama.cpp full" not in saved["systems"]
     # a second weight format is timed in the same rounds, on the same prompts, its chunks stored too
-    assert "kvblend full (int8)" in saved["systems"] and "fp32 and int8 weights" in saved["dtype"]
-    assert all(r["ttft_s"]["kvblend blend (int8)"] > 0 for r in saved["rows"])
+    assert "kvblend full (bf16-fp32)" in saved["systems"] and "fp32 and bf16-fp32 weights" in saved["dtype"]
+    assert all(r["ttft_s"]["kvblend blend (bf16-fp32)"] > 0 for r in saved["rows"])
     with pytest.raises(SystemExit):  # auto is fp32 here: the same format twice
         bench.main(["--lengths", "128", "--repeats", "1", "--threads", "1", "--data", str(data),
                     "--out", str(out), "--dtype", "float32", "--weights", "auto,fp32"])

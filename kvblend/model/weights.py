@@ -10,6 +10,7 @@
 - `bf16-fp32`: with fp32 activations, on CPUs without bf16 products: every linear layer's weights
   (and a plain embedding with its tied output head) held in bf16, half fp32's memory, and widened
   to fp32 into one reused buffer for each product (`WidenedLinear`), so the products stay fp32's.
+  The model's KV is held in bf16 too (`LoadedModel.kv_dtype`).
 
 int8 and int4 change only the decoder layers' MLP (`QUANTIZED_PART`): it holds nine tenths of a layer's
 weights and products, while the attention projections, quantized too, carried most of the error
