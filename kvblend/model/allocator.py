@@ -33,14 +33,21 @@ KERNEL_CACHE = 64
 KERNEL_CACHE_VARS = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
 
 
+def _glibc():
+    """The C library, where it is glibc (it has mallopt and malloc_trim); else None."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return libc if hasattr(libc, "mallopt") and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
 @functools.cache
 def keep_freed_memory() -> bool:
     """Set glibc's thresholds once per process; False where the C library is not glibc."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD) == 1 and libc.mallopt(M_TRIM_THRESHOLD, THRESHOLD) == 1
-    except (OSError, AttributeError):
-        ok = False
+    libc = _glibc()
+    ok = libc is not None and libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD) == 1 \
+        and libc.mallopt(M_TRIM_THRESHOLD, THRESHOLD) == 1
     if not ok:
         log.debug("mallopt unavailable: large blocks go back to the OS on free")
     return ok
@@ -51,10 +58,8 @@ def release_freed_memory() -> bool:
     work whose transients requests never reuse in the same shape: loading a model (its fp32 reads,
     95 MiB of Qwen2.5 0.5B's), precomputing chunks (their encodings' caches and activations). With
     the thresholds above nothing else returns them. False where the C library is not glibc."""
-    try:
-        return bool(ctypes.CDLL("libc.so.6").malloc_trim(0))
-    except (OSError, AttributeError):
-        return False
+    libc = _glibc()
+    return libc is not None and bool(libc.malloc_trim(0))
 
 
 def bound_kernel_caches() -> None:
