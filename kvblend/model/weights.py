@@ -234,9 +234,10 @@ class WidenedLinear(torch.nn.Module):
         w = self.weight
         if torch.is_grad_enabled() and x.requires_grad:
             return F.linear(x, w.float(), self.bias)
-        step = max(1, WIDEN_BYTES // (4 * self.in_features))
-        if step >= self.out_features:
+        most = max(1, WIDEN_BYTES // (4 * self.in_features))
+        if most >= self.out_features:
             return F.linear(x, widened(w), self.bias)
+        step = -(-self.out_features // -(-self.out_features // most))  # near-equal blocks: no sliver of a few rows
         x2 = x.reshape(-1, self.in_features)
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         for i in range(0, self.out_features, step):
