@@ -99,7 +99,7 @@ class Engine:
         bos = bos if bos is not None else getattr(model.config, "bos_token_id", None)
         # Models without a tokenizer (tests' tiny random models) name their separator ids.
         self.sep_ids = sep_ids or separator_ids(self.tokenizer, s.separator)
-        # How chunk KV is stored: int8 where asked, else bfloat16 where the model computes in float32.
+        # How chunk KV is stored: int8 where asked, else bfloat16 where the model's KV is float32.
         kv_dtype = model.kv_dtype  # what caches and stored KV hold (bf16 under fp32 products on some CPUs)
         self.chunk_storage = "int8" if s.kv_int8 else "bf16" if s.kv_half and kv_dtype == torch.float32 else ""
         self.keys = KeyScheme(s.namespace, model.fingerprint, kv_dtype, s.chunk_context, s.chunk_size, bos,

@@ -96,7 +96,7 @@ class KVCache:
 
     def layer_kv(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` at positions [first, readable) in `dtype`: views where the cache holds
-        that dtype, else widened copies (a layer's, read once per pass)."""
+        that dtype, else widened copies, made at each attention call."""
         k, v = self.k[layer][:, self.first:self.readable], self.v[layer][:, self.first:self.readable]
         return k.to(dtype), v.to(dtype)
 
