@@ -26,6 +26,7 @@ and the output head keep the activation dtype. `auto` keeps dense weights except
 
 from __future__ import annotations
 
+import math
 import threading
 from pathlib import Path
 
@@ -237,7 +238,8 @@ class WidenedLinear(torch.nn.Module):
         most = max(1, WIDEN_BYTES // (4 * self.in_features))
         if most >= self.out_features:
             return F.linear(x, widened(w), self.bias)
-        step = -(-self.out_features // -(-self.out_features // most))  # near-equal blocks: no sliver of a few rows
+        blocks = math.ceil(self.out_features / most)
+        step = math.ceil(self.out_features / blocks)  # near-equal blocks: no sliver of a few rows
         x2 = x.reshape(-1, self.in_features)
         y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
         for i in range(0, self.out_features, step):
