@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from filelock import FileLock
 
 from .allocator import bound_kernel_caches, keep_freed_memory, release_freed_memory
 from .aliases import ALIASES, DEFAULT_MODEL, ModelLoadError, cache_dir, int8_checked, resolve_alias
@@ -143,8 +144,22 @@ def auto_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
 def _gguf_as_folder(gguf: Path, weights_id: str) -> Path:
     """Dequantize a GGUF file into a cached safetensors folder (once per file)."""
     folder = cache_dir() / "models" / f"{gguf.stem}-{weights_id[:16]}"
-    if (folder / "config.json").is_file() and (folder / "model.safetensors").is_file():
+    if _is_model_folder(folder):
         return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Processes that load the same new GGUF at once (a server's replicas, a test run's workers) convert
+    # it once: the others wait for the folder instead of converting it again beside it.
+    with FileLock(folder.parent / f".{folder.name}.lock"):
+        if not _is_model_folder(folder):
+            _convert_gguf(gguf, folder)
+    return folder
+
+
+def _is_model_folder(folder: Path) -> bool:
+    return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
+
+
+def _convert_gguf(gguf: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to a safetensors folder in %s (once)", gguf, folder)
@@ -155,7 +170,6 @@ def _gguf_as_folder(gguf: Path, weights_id: str) -> Path:
     del model.config.quantization_config
     model.hf_quantizer = None
     model.is_quantized = False
-    folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
     try:
         model.save_pretrained(tmp)
@@ -165,7 +179,6 @@ def _gguf_as_folder(gguf: Path, weights_id: str) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (folder / "model.safetensors").is_file():
             raise
-    return folder
 
 
 def _read_config(path: Path):
