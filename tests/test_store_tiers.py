@@ -500,7 +500,10 @@ def test_tiered_store_reads_in_order_promotes_and_writes_behind(tmp_path, any_re
     assert "chunk-a" in store and memory.get("chunk-a") is not None
     store.flush()
     assert "chunk-a" in disk and "chunk-a" in remote
-    assert len(store) == 3 and store.used_bytes == sum(t.used_bytes for t in (memory, disk, remote)) > 0
+    # A cluster's used_bytes is its masters' whole memory, which moves by a few KB between two reads
+    # (client buffers): the local tiers are summed exactly, the remote one to within that.
+    local = memory.used_bytes + disk.used_bytes
+    assert len(store) == 3 and local > 0 and abs(store.used_bytes - local - remote.used_bytes) <= 256 << 10
 
     remote.put("chunk-b", kv(seed=2))  # only in Redis, e.g. stored by another server
     got = store.get("chunk-b")
