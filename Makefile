@@ -55,9 +55,15 @@ VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvblend-installed
 
 # Prerequisites expand when make reads them, so `test` comes after VLLM_STAMP is defined.
+# The suites leave a core idle much of the time (imports, servers and subprocesses starting), so the
+# main one runs on two workers, a module to a worker (its module fixtures load once), and the vLLM
+# one beside it; its report follows the main one's.
 test: setup $(VLLM_STAMP)
-	$(PY) -m pytest --durations=15
-	$(VLLM_PY) -m pytest tests/in_vllm
+	@rm -f .vllm-tests.log
+	@$(VLLM_PY) -m pytest tests/in_vllm > .vllm-tests.log 2>&1 & vllm=$$!; \
+	$(PY) -m pytest -n 2 --dist loadscope --durations=15; main=$$?; \
+	wait $$vllm; in_vllm=$$?; echo "== tests/in_vllm (vLLM's venv)"; cat .vllm-tests.log; \
+	exit $$(( main || in_vllm ))
 
 vllm: $(VLLM_STAMP)
 
