@@ -28,3 +28,31 @@ def test_the_folder_names_its_alias(tmp_path):
 def test_kvblend_folder_prints_it(capsys):
     assert main(["folder", NAME]) == 0
     assert capsys.readouterr().out.strip() == str(hf_folder(NAME))
+
+
+def test_loads_of_a_new_gguf_at_once_convert_it_once(tmp_path, monkeypatch):
+    """Two loads of a GGUF not converted yet: one converts, the other waits and takes its folder."""
+    import threading
+    import time
+
+    from kvblend.model import loader
+
+    monkeypatch.setenv("KVBLEND_CACHE_DIR", str(tmp_path))
+    converted = []
+
+    def convert(gguf, folder):  # stands in for the dequantization: slow, then a whole folder
+        converted.append(folder)
+        time.sleep(0.5)
+        folder.mkdir()
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(loader, "_convert_gguf", convert)
+    got = []
+    loads = [threading.Thread(target=lambda: got.append(loader._gguf_as_folder(tmp_path / "m.gguf", "ab" * 16)))
+             for _ in range(2)]
+    for t in loads:
+        t.start()
+    for t in loads:
+        t.join()
+    assert len(converted) == 1 and got == [converted[0]] * 2
