@@ -1,8 +1,16 @@
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# `pytest -n N` (make test: two workers, beside the vLLM suite) runs N processes on the same cores: each
+# takes its share of threads, where a pool as wide as the machine in each would spin for cores the others
+# hold. Set before torch is imported; the subprocesses tests start inherit it.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _workers)))
 
 sys.path.insert(0, str(Path(__file__).parent))  # tiny_models
 
