@@ -56,3 +56,26 @@ def test_loads_of_a_new_gguf_at_once_convert_it_once(tmp_path, monkeypatch):
     for t in loads:
         t.join()
     assert len(converted) == 1 and got == [converted[0]] * 2
+
+
+def test_a_conversion_parses_its_gguf_once_and_writes_the_same_folder(tmp_path, monkeypatch):
+    """transformers reads a GGUF for the config, the tokenizer and the weights; each parse of a large
+    vocabulary takes seconds, so a conversion shares one reader. The folder is the one converted before."""
+    import gguf
+
+    from kvblend.model import loader
+
+    parses = []
+    original = gguf.GGUFReader
+
+    def counted(path, mode="r"):
+        parses.append(path)
+        return original(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    path = loader.resolve_model_path(NAME)
+    loader._convert_gguf(path, tmp_path / "m")
+    assert len(parses) == 1 and gguf.GGUFReader is counted  # shared while converting, then given back
+    before = hf_folder(NAME)
+    for name in ("model.safetensors", "tokenizer.json"):
+        assert (tmp_path / "m" / name).read_bytes() == (before / name).read_bytes(), name
