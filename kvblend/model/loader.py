@@ -14,6 +14,7 @@ import json
 import logging
 import shutil
 import tempfile
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -186,26 +187,31 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
             raise
 
 
+_GGUF_SWAP = threading.Lock()
+
+
 @contextmanager
 def _one_gguf_parse() -> Iterator[None]:
     """transformers parses a GGUF's metadata anew for the config, the tokenizer and the weights, and
     a parse of a large vocabulary is slow (Gemma 3's 262k tokens: about 10 s each): while this is
-    open, each file is parsed once and its reader (read-only, over a memory map) is shared."""
+    open, each file is parsed once and its reader (read-only, over a memory map) is shared. The swap is
+    process-wide, so conversions in one process take turns: two at once would restore each other's."""
     import gguf
 
-    original, readers = gguf.GGUFReader, {}
+    with _GGUF_SWAP:
+        original, readers = gguf.GGUFReader, {}
 
-    def shared(path, mode="r"):
-        key = (str(Path(path).resolve()), mode)
-        if key not in readers:
-            readers[key] = original(path, mode)
-        return readers[key]
+        def shared(path, mode="r"):
+            key = (str(Path(path).resolve()), mode)
+            if key not in readers:
+                readers[key] = original(path, mode)
+            return readers[key]
 
-    gguf.GGUFReader = shared
-    try:
-        yield
-    finally:
-        gguf.GGUFReader = original
+        gguf.GGUFReader = shared
+        try:
+            yield
+        finally:
+            gguf.GGUFReader = original
 
 
 def _read_config(path: Path):
