@@ -4,7 +4,8 @@ Per record, fp32 full prefill gives the reference answer (greedy) and its next-t
 answer's first positions, teacher-forced. Each format (`--formats`, in the dtype `--dtype` picks)
 is then scored on the same positions, for full prefill and for blend at the engine's default
 ratio: kl_answer, top1_agree, and whether its own greedy answer is fp32 full's, with the answers
-that differ listed. The whole file is indexed first in every engine, as `kvblend eval` does.
+that differ listed. For blend, the whole file is indexed first in every format's engine, as `kvblend
+eval` does.
 
     python benchmarks/weight_formats.py --model qwen2.5-coder-0.5b-instruct \\
         --data ../shared/data/hotpotqa_s.dev.json --offset 0 --limit 30 --formats bf16,int8,int4
@@ -49,9 +50,10 @@ def main(argv: list[str] | None = None) -> dict:
     ref_engine = open_engine(args.model, "float32", "fp32", "cpu", progress=False)
     engines = {f: open_engine(args.model, DTYPE_OF.get(f, args.dtype), f, "cpu", progress=False)
                for f in args.formats.split(",")}
-    for engine in (ref_engine, *engines.values()):
-        index_dataset(engine, everything)
     modes = args.modes.split(",")
+    if "blend" in modes:  # only blend reads the store; the reference runs full prefill alone
+        for engine in engines.values():
+            index_dataset(engine, everything)
     capacity = max(REFERENCE_CAPACITY, args.answer_tokens + 8)
     per = []
     for record in tqdm(records, desc="records"):
