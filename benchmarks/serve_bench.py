@@ -55,7 +55,7 @@ def stream(url: str, body: dict) -> tuple[float, int]:
     return (ttft if ttft is not None else time.perf_counter() - t0), n
 
 
-def passages_pool(path: str | None, n: int) -> tuple[list[str], list[str]]:
+def passages_pool(path: str | None, n: int, size: int = 24) -> tuple[list[str], list[str]]:
     if path:
         from kvblend.eval.datasets import load_dataset
 
@@ -64,7 +64,7 @@ def passages_pool(path: str | None, n: int) -> tuple[list[str], list[str]]:
         return pool, [r.question for r in records]
     rng = random.Random(0)
     words = "river bridge town glass salt market guild harbour tower winter archive".split()
-    pool = [f"Passage {i}: " + " ".join(rng.choice(words) for _ in range(120)) + "." for i in range(24)]
+    pool = [f"Passage {i}: " + " ".join(rng.choice(words) for _ in range(120)) + "." for i in range(size)]
     return pool, [f"What does passage {i} say about the {rng.choice(words)}?" for i in range(n)]
 
 
@@ -128,6 +128,7 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--docs-per-prompt", type=int, default=4)
+    p.add_argument("--passages", type=int, default=24, help="synthetic passages in the pool (without --data)")
     p.add_argument("--max-tokens", type=int, default=4)
     p.add_argument("--streams", type=int, default=8)
     p.add_argument("--decode-tokens", type=int, default=64)
@@ -135,7 +136,9 @@ def main() -> None:
     args = p.parse_args()
     settings = load_settings(model=args.model, dtype=args.dtype)
     engine = Engine.from_settings(settings)
-    pool, questions = passages_pool(args.data, max(args.requests, 8))
+    pool, questions = passages_pool(args.data, max(args.requests, 8), args.passages)
+    if len(pool) < args.docs_per_prompt:
+        p.error(f"--docs-per-prompt {args.docs_per_prompt} needs at least as many passages, not {len(pool)}")
     print(f"model {settings.model} ({engine.model.dtype}), {len(pool)} passages, {args.requests} requests, "
           f"{args.concurrency} clients, {args.docs_per_prompt} passages per prompt", flush=True)
     result = {"rag": rag_load(engine, pool, questions, args), "decode": decode_load(engine, args),

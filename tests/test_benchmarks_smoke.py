@@ -101,7 +101,7 @@ def test_offline_batch(tmp_path):
 def test_serve_bench(tmp_path):
     out = tmp_path / "serve.json"
     run([bench("serve_bench"), "--requests", "2", "--concurrency", "2", "--streams", "2", "--decode-tokens", "2",
-         "--max-tokens", "2", "--out", str(out)], tmp_path)
+         "--max-tokens", "2", "--passages", "3", "--docs-per-prompt", "2", "--out", str(out)], tmp_path)
     result = json.loads(out.read_text())
     assert [r["mode"] for r in result["rag"]] == ["full", "prefix", "blend"]
 
