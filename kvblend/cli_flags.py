@@ -14,7 +14,8 @@ HELP = {
     "model": "model name, HF folder or .gguf file (default smollm2-135m-instruct)",
     "dtype": "compute dtype (auto: bfloat16 where the CPU has bf16 products, else float32)",
     "weights": "how the decoder layers hold their weights: fp32, bf16, int8 (the MLP's gate and up in int8 "
-               "products, Hadamard-rotated), int4, or bf16-fp32 (weights and KV held in bf16, fp32 products) "
+               "products, Hadamard-rotated), int4, bf16-fp32 or fp16-fp32 (weights and KV held in bf16 or fp16, "
+               "fp32 products) "
                "(auto: dense in the --dtype; bf16-fp32 where auto chose float32 on a CPU)",
     "device": "where the model runs",
     "max_model_len": "longest prompt plus answer, in tokens (default: the model's context)",

@@ -91,7 +91,7 @@ class Settings(BaseSettings):
     # Model and numerics.
     model: str = "smollm2-135m-instruct"
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    weights: Literal["auto", "fp32", "bf16", "int8", "int4", "bf16-fp32"] = "auto"
+    weights: Literal["auto", "fp32", "bf16", "int8", "int4", "bf16-fp32", "fp16-fp32"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(default=None, gt=0)
     seed: int = Field(default=0, ge=0)

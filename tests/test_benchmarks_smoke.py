@@ -224,10 +224,11 @@ def test_linear_kernels(tmp_path):
 
 def test_weights_speed(tmp_path):
     out = tmp_path / "speed.json"
-    run([bench("weights_speed"), "--lengths", "24,40", "--repeats", "1", "--decode-steps", "2",
-         "--out", str(out)], tmp_path)
+    run([bench("weights_speed"), "--formats", "fp32,bf16-fp32,fp16-fp32", "--lengths", "24,40", "--repeats", "1",
+         "--decode-steps", "2", "--out", str(out)], tmp_path)
     result = json.loads(out.read_text())
-    assert set(result["prefill_s"]) == {"fp32", "bf16-fp32"} and set(result["prefill_s"]["fp32"]) == {"24", "40"}
+    assert set(result["prefill_s"]) == {"fp32", "bf16-fp32", "fp16-fp32"}
+    assert set(result["prefill_s"]["fp32"]) == {"24", "40"}
     assert all(s > 0 for s in result["decode_s"].values())
 
 

@@ -106,6 +106,8 @@ def test_formats_that_cannot_run_are_refused():
         resolve_weights("int8", CPU, torch.float16)
     with pytest.raises(WeightsError, match="computes in fp32: use dtype float32"):
         resolve_weights("bf16-fp32", CPU, torch.bfloat16)
+    with pytest.raises(WeightsError, match="weights=fp16-fp32 computes in fp32"):
+        resolve_weights("fp16-fp32", CPU, torch.float16)
     with pytest.raises(WeightsError, match="CPU kernels only"):
         resolve_weights("bf16-fp32", torch.device("cuda"), torch.float32)
 
@@ -115,46 +117,50 @@ def test_auto_holds_weights_in_bf16_only_where_auto_chose_fp32_on_a_cpu():
     assert resolve_weights("auto", CPU, torch.float32) == "fp32"  # fp32 asked for: fp32's weights
     assert resolve_weights("auto", CPU, torch.bfloat16, dtype_auto=True) == "bf16"
     assert resolve_weights("bf16-fp32", CPU, torch.float32) == "bf16-fp32"
+    assert resolve_weights("fp16-fp32", CPU, torch.float32) == "fp16-fp32"
 
 
+@pytest.mark.parametrize("held", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("widen_bytes", [1 << 26, 96 * 128 * 4 // 3])  # one block; blocks of 32 output rows
 @pytest.mark.parametrize("bias", [True, False])
-def test_a_widened_linear_is_the_fp32_product_of_its_weights_rounded_to_bf16(monkeypatch, widen_bytes, bias):
+def test_a_widened_linear_is_the_fp32_product_of_its_weights_rounded_once(monkeypatch, held, widen_bytes, bias):
     monkeypatch.setattr(weight_formats, "WIDEN_BYTES", widen_bytes)
     w, b = dense()
     b = b if bias else None
-    lin = WidenedLinear(w, b)
-    assert lin.weight.dtype == torch.bfloat16 and lin.weight.untyped_storage().nbytes() == w.numel() * 2
+    lin = WidenedLinear(w, b, held=held)
+    assert lin.weight.dtype == held and lin.weight.untyped_storage().nbytes() == w.numel() * 2
     x = torch.randn(3, 7, 128)
-    ref = torch.nn.functional.linear(x, w.bfloat16().float(), b)
+    ref = torch.nn.functional.linear(x, w.to(held).float(), b)
     with torch.inference_mode():
         y = lin(x)
     assert y.dtype == torch.float32 and y.shape == (3, 7, 96)
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-6)  # blocks change only the sums' kernel
     x.requires_grad_(True)  # adapter training: a gradient through the layer, its weights left frozen
     lin(x).sum().backward()
-    torch.testing.assert_close(x.grad, w.bfloat16().float().sum(0).expand(3, 7, 128), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(x.grad, w.to(held).float().sum(0).expand(3, 7, 128), rtol=1e-5, atol=1e-5)
     ids = torch.tensor([[0, 95, 3]])
-    assert torch.equal(WidenedEmbedding(w)(ids), w.bfloat16().float()[ids])
+    assert torch.equal(WidenedEmbedding(w, held)(ids), w.to(held).float()[ids])
 
 
-def test_a_bf16_fp32_load_holds_every_linear_and_a_tied_table_once_in_bf16(tmp_path):
+@pytest.mark.parametrize("fmt, half", [("bf16-fp32", torch.bfloat16), ("fp16-fp32", torch.float16)])
+def test_a_held_load_holds_every_linear_and_a_tied_table_once_in_half_precision(tmp_path, fmt, half):
     path = tmp_path / "tied"
     tiny_hf("qwen2", tie_word_embeddings=True).save_pretrained(path)
-    held = load_model(str(path), dtype="float32", weights="bf16-fp32", device="cpu")
+    held = load_model(str(path), dtype="float32", weights=fmt, device="cpu")
     ref = load_model(str(path), dtype="float32", device="cpu")
-    assert (held.weights, held.dtype) == ("bf16-fp32", torch.float32) and held.fingerprint != ref.fingerprint
+    assert (held.weights, held.dtype, held.kv_dtype) == (fmt, torch.float32, half)
+    assert held.fingerprint != ref.fingerprint
     for layer in held.hf.model.layers:
         assert not any(type(m) is torch.nn.Linear for m in layer.modules())
     embed, head = held.hf.get_input_embeddings(), held.hf.get_output_embeddings()
     assert isinstance(embed, WidenedEmbedding) and isinstance(head, WidenedLinear)
     assert head.weight.data_ptr() == embed.weight.data_ptr()  # one table
     big = [t for t in held.hf.state_dict().values() if t.dim() == 2]
-    assert big and all(t.dtype == torch.bfloat16 for t in big)
-    # The same model with its fp32 weights rounded to bf16 once gives the same logits.
+    assert big and all(t.dtype == half for t in big)
+    # The same model with its fp32 weights rounded to half precision once gives the same logits.
     for p in ref.hf.parameters():
         if p.dim() == 2:
-            p.data = p.data.bfloat16().float()
+            p.data = p.data.to(half).float()
     ids = torch.arange(1, 40)[None]
     with torch.inference_mode():
         torch.testing.assert_close(held.hf(ids).logits, ref.hf(ids).logits, rtol=1e-4, atol=1e-4)

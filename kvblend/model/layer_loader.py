@@ -21,7 +21,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from .file_embedding import embed_from_file
-from .weights import HELD, QUANTIZED, WidenedEmbedding, WidenedLinear, quantized_linear, quantized_paths
+from .weights import HELD_DTYPES, QUANTIZED, WidenedEmbedding, WidenedLinear, quantized_linear, quantized_paths
 
 BLOCK_BYTES = 64 << 20  # a large tensor (embedding, output head) is read in blocks of rows this big
 LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -75,15 +75,16 @@ def _quantize_from_files(prefix: str, layer: torch.nn.Module, files: dict[str, P
     return covered
 
 
-def _read_bf16(files: dict[str, Path], name: str, shape: torch.Size) -> torch.Tensor:
-    table = torch.empty(shape, dtype=torch.bfloat16)
+def _read_held(files: dict[str, Path], name: str, shape: torch.Size, held: torch.dtype) -> torch.Tensor:
+    table = torch.empty(shape, dtype=held)
     _copy_in(files[name], name, table)
     return table
 
 
-def _hold_ends_bf16(hf: torch.nn.Module, params: dict[str, torch.nn.Parameter], files: dict[str, Path]) -> None:
-    """For bf16-fp32: the input embedding and the output head held in bf16, read from the files
-    (a tied head shares the embedding's table), their parameters taken out of `params` so the
+def _hold_ends(hf: torch.nn.Module, params: dict[str, torch.nn.Parameter], files: dict[str, Path],
+               held: torch.dtype) -> None:
+    """For the held formats: the input embedding and the output head held in `held`, read from the
+    files (a tied head shares the embedding's table), their parameters taken out of `params` so the
     fp32 tensors are never filled. An embedding of another kind (Gemma's scales its rows) stays
     fp32, and so does a head tied to it."""
     embed, head = hf.get_input_embeddings(), hf.get_output_embeddings()
@@ -91,19 +92,19 @@ def _hold_ends_bf16(hf: torch.nn.Module, params: dict[str, torch.nn.Parameter], 
     names = {id(p): n for n, p in params.items() if n in files}  # a tied tensor by its name in the files
     table = None
     if type(embed) is torch.nn.Embedding and embed.max_norm is None and id(embed.weight) in names:
-        table = _read_bf16(files, names[id(embed.weight)], embed.weight.shape)
-        hf.set_input_embeddings(WidenedEmbedding(table))
+        table = _read_held(files, names[id(embed.weight)], embed.weight.shape, held)
+        hf.set_input_embeddings(WidenedEmbedding(table, held))
     if type(head) is not torch.nn.Linear or head.bias is not None or id(head.weight) not in names:
         head_table = None
     elif head.weight is embed_weight:
         head_table = table
     else:
-        head_table = _read_bf16(files, names[id(head.weight)], head.weight.shape)
+        head_table = _read_held(files, names[id(head.weight)], head.weight.shape, held)
     if head_table is not None:
-        hf.set_output_embeddings(WidenedLinear(head_table, None))
-    held = {id(embed_weight)} if table is not None else set()
-    held |= {id(head.weight)} if head_table is not None else set()
-    for name in [n for n, p in params.items() if id(p) in held]:
+        hf.set_output_embeddings(WidenedLinear(head_table, None, held=held))
+    taken = {id(embed_weight)} if table is not None else set()
+    taken |= {id(head.weight)} if head_table is not None else set()
+    for name in [n for n, p in params.items() if id(p) in taken]:
         params.pop(name)
 
 
@@ -126,8 +127,8 @@ def load_layerwise(folder: Path, config, dtype: torch.dtype, weights: str,
     embed = next(n for n, p in params.items() if p is hf.get_input_embeddings().weight)
     if embed_from_file(hf, files[embed], embed, dtype):
         params.pop(embed)
-    if weights == HELD:
-        _hold_ends_bf16(hf, params, files)
+    if weights in HELD_DTYPES:
+        _hold_ends(hf, params, files, HELD_DTYPES[weights])
     by_layer: dict[int, list[str]] = defaultdict(list)
     for name in params:
         m = LAYER.search(name)

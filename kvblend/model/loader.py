@@ -27,7 +27,7 @@ from .allocator import bound_kernel_caches, keep_freed_memory, release_freed_mem
 from .aliases import ALIASES, DEFAULT_MODEL, ModelLoadError, cache_dir, int8_checked, resolve_alias
 from .layer_loader import load_layerwise
 from .tokenizer import load_tokenizer
-from .weights import HELD, QUANTIZED, WeightsError, cpu_flags, dense_format, format_key, quantize_layer, resolve_weights
+from .weights import HELD_DTYPES, QUANTIZED, WeightsError, cpu_flags, dense_format, format_key, quantize_layer, resolve_weights
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class LoadedModel:
     def kv_dtype(self) -> torch.dtype:
         """What KV caches and stored KV hold: the activation dtype, but for weights held in bf16 for
         fp32 products, whose KV is held in bf16 too (attention widens each layer's as it reads it)."""
-        return torch.bfloat16 if self.weights == HELD else self.dtype
+        return HELD_DTYPES.get(self.weights, self.dtype)
 
     @property
     def config(self):

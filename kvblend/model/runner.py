@@ -40,6 +40,17 @@ KEY_BLOCK = 512
 MLP_ROWS = 512
 
 
+FP16_MAX = torch.finfo(torch.float16).max
+
+
+def narrowed(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t in the cache's dtype (a no-op but where KV is held narrower). fp16 saturates: a key past
+    its range would be inf and turn the attention that reads it into NaN."""
+    if dtype == torch.float16 and t.dtype != torch.float16:
+        t = t.clamp(-FP16_MAX, FP16_MAX)
+    return t.to(dtype)
+
+
 class KVCache:
     """K and V of one sequence for every layer, [L, Hkv, capacity, d]; slot index == position."""
 
@@ -91,8 +102,8 @@ class KVCache:
         self.length = min(self.length, length)
 
     def write(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer][:, positions] = k.to(self.k.dtype)  # no-op but where KV is held narrower
-        self.v[layer][:, positions] = v.to(self.v.dtype)
+        self.k[layer][:, positions] = narrowed(k, self.k.dtype)
+        self.v[layer][:, positions] = narrowed(v, self.v.dtype)
 
     def layer_kv(self, layer: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `layer` at positions [first, readable) in `dtype`: views where the cache holds
