@@ -218,9 +218,9 @@ _widen = threading.local()  # one buffer per thread that runs a model; layers ru
 
 
 def widened(w: torch.Tensor) -> torch.Tensor:
-    """w (bf16 or fp16) in fp32, in this thread's reused buffer: valid until the next call. A fresh tensor
-    per product would be a fresh mapping too (glibc maps blocks this large), faulting its pages in
-    on every call."""
+    """w (bf16 or fp16) in fp32, in this thread's reused buffer: valid until the next call. A fresh
+    tensor per product would be a fresh mapping too (glibc maps blocks this large), faulting its
+    pages in on every call."""
     buf = getattr(_widen, "buf", None)
     if buf is None or buf.numel() < w.numel():
         buf = _widen.buf = torch.empty(max(w.numel(), WIDEN_BYTES // 4), dtype=torch.float32)
@@ -228,9 +228,9 @@ def widened(w: torch.Tensor) -> torch.Tensor:
 
 
 class WidenedLinear(torch.nn.Module):
-    """y = x W^T + b in fp32 with W held in bf16: each product widens W, in blocks of output rows
-    of at most WIDEN_BYTES (an output head is 544 MB in fp32 on Qwen2.5 0.5B), into one reused
-    buffer. Widening is exact, so this is fp32's product with W rounded to bf16 once. Where
+    """y = x W^T + b in fp32 with W held in bf16 or fp16: each product widens W, in blocks of output
+    rows of at most WIDEN_BYTES (an output head is 544 MB in fp32 on Qwen2.5 0.5B), into one reused
+    buffer. Widening is exact, so this is fp32's product with W rounded to `held` once. Where
     gradients flow (adapter training), W is widened into a tensor of its own that autograd keeps."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype = torch.float32,
