@@ -66,16 +66,16 @@ def test_a_conversion_parses_its_gguf_once_and_writes_the_same_folder(tmp_path, 
     from kvblend.model import loader
 
     parses = []
-    original = gguf.GGUFReader
+    reader, parse = gguf.GGUFReader, gguf.GGUFReader.__init__
 
-    def counted(path, mode="r"):
+    def counted(self, path, mode="r"):
         parses.append(path)
-        return original(path, mode)
+        parse(self, path, mode)
 
-    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    monkeypatch.setattr(gguf.GGUFReader, "__init__", counted)
     path = loader.resolve_model_path(NAME)
     loader._convert_gguf(path, tmp_path / "m")
-    assert len(parses) == 1 and gguf.GGUFReader is counted  # shared while converting, then given back
+    assert len(parses) == 1 and gguf.GGUFReader is reader  # shared while converting, then given back
     before = hf_folder(NAME)
     for name in ("model.safetensors", "tokenizer.json"):
         assert (tmp_path / "m" / name).read_bytes() == (before / name).read_bytes(), name
