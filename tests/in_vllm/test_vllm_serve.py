@@ -20,7 +20,8 @@ def chat(client: OpenAI, docs: list[str], **kvblend) -> str:
     return "".join(part.choices[0].delta.content or "" for part in stream if part.choices)
 
 
-def test_vllm_serve_streams_a_blended_chat(folder, tmp_path):
+def test_vllm_serve_streams_a_blended_chat(folder, tmp_path, monkeypatch):
+    monkeypatch.setenv("VLLM_LOG_STATS_INTERVAL", "1")  # the connector's counters, logged each second (10 s by default)
     config = {"kv_connector": "KVBlendConnector", "kv_connector_module_path": "kvblend.vllm", "kv_role": "kv_both",
               "kv_connector_extra_config": {"separator": SEPARATOR, "local_disk": str(tmp_path / "kv")}}
     log = tmp_path / "serve.log"
