@@ -25,3 +25,12 @@ def default_fp32():
     from kvblend.model.loader import load_model
 
     return load_model("smollm2-135m-instruct", dtype="float32", device="cpu")
+
+
+
+def pytest_collection_modifyitems(items):
+    """The modules with real-model tests first, in file order, then the rest: `make test` hands a whole
+    module to each free worker in this order, so the longest modules start first and the short ones fill
+    in at the end. A module's tests stay together, so its fixtures are set up once."""
+    real = {item.path for item in items if item.get_closest_marker("real_model")}
+    items.sort(key=lambda item: item.path not in real)

@@ -4,6 +4,8 @@ import json
 import re
 from importlib import resources
 
+import pytest
+
 from kvblend.cli import main
 
 
@@ -15,6 +17,7 @@ def _tiny_dataset(path):
     path.write_text(json.dumps(records))
 
 
+@pytest.mark.real_model
 def test_eval_writes_reports_and_keeps_the_invariants(tmp_path, capsys):
     data = tmp_path / "tiny.json"
     _tiny_dataset(data)
@@ -38,6 +41,7 @@ def test_eval_writes_reports_and_keeps_the_invariants(tmp_path, capsys):
     assert "blend" in capsys.readouterr().out
 
 
+@pytest.mark.real_model
 def test_demo_runs(capsys):
     demo = json.loads(resources.files("kvblend.demo").joinpath("collection.json").read_text())
     n_passages, n_questions = len(demo["passages"]), len(demo["questions"])
@@ -72,6 +76,7 @@ def test_demo_summary_counts_matching_answers_and_explains_short_prompts():
                                               "came 8.0x sooner in total.")
 
 
+@pytest.mark.real_model
 def test_generate_and_errors(capsys):
     assert main(["generate", "--prompt", "The capital of France is", "--max-tokens", "3"]) == 0
     assert capsys.readouterr().out.strip()
