@@ -16,7 +16,7 @@ HELP = {
     "weights": "how the decoder layers hold their weights: fp32, bf16, int8 (the MLP's gate and up in int8 "
                "products, Hadamard-rotated), int4, bf16-fp32 or fp16-fp32 (weights and KV held in bf16 or fp16, "
                "fp32 products) "
-               "(auto: dense in the --dtype; bf16-fp32 where auto chose float32 on a CPU)",
+               "(auto: dense in the --dtype; fp16-fp32 where auto chose float32 on a CPU)",
     "device": "where the model runs",
     "max_model_len": "longest prompt plus answer, in tokens (default: the model's context)",
     "mode": "how a prompt is prefilled: full, prefix (exact prefix cache), reuse or blend",

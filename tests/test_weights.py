@@ -112,8 +112,8 @@ def test_formats_that_cannot_run_are_refused():
         resolve_weights("bf16-fp32", torch.device("cuda"), torch.float32)
 
 
-def test_auto_holds_weights_in_bf16_only_where_auto_chose_fp32_on_a_cpu():
-    assert resolve_weights("auto", CPU, torch.float32, dtype_auto=True) == "bf16-fp32"
+def test_auto_holds_weights_in_fp16_only_where_auto_chose_fp32_on_a_cpu():
+    assert resolve_weights("auto", CPU, torch.float32, dtype_auto=True) == "fp16-fp32"
     assert resolve_weights("auto", CPU, torch.float32) == "fp32"  # fp32 asked for: fp32's weights
     assert resolve_weights("auto", CPU, torch.bfloat16, dtype_auto=True) == "bf16"
     assert resolve_weights("bf16-fp32", CPU, torch.float32) == "bf16-fp32"

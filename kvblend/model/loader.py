@@ -45,12 +45,12 @@ class LoadedModel:
     fingerprint: str  # hash of architecture, weights identity, dtype and weight format: part of every cache key
     dtype: torch.dtype
     device: torch.device
-    weights: str = "fp32"  # the decoder layers' weight format (weights.py): fp32, bf16, int8, int4 or bf16-fp32
+    weights: str = "fp32"  # the decoder layers' weight format (weights.py): fp32, bf16, int8, int4, bf16-fp32 or fp16-fp32
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """What KV caches and stored KV hold: the activation dtype, but for weights held in bf16 for
-        fp32 products, whose KV is held in bf16 too (attention widens each layer's as it reads it)."""
+        """What KV caches and stored KV hold: the activation dtype, but for weights held in bf16 or fp16
+        for fp32 products, whose KV is held in that dtype too (attention widens each layer's as it reads it)."""
         return HELD_DTYPES.get(self.weights, self.dtype)
 
     @property
