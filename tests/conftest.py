@@ -27,7 +27,6 @@ def default_fp32():
     return load_model("smollm2-135m-instruct", dtype="float32", device="cpu")
 
 
-
 def pytest_collection_modifyitems(items):
     """The modules with real-model tests first, in file order, then the rest: `make test` hands a whole
     module to each free worker in this order, so the longest modules start first and the short ones fill

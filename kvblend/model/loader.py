@@ -45,7 +45,8 @@ class LoadedModel:
     fingerprint: str  # hash of architecture, weights identity, dtype and weight format: part of every cache key
     dtype: torch.dtype
     device: torch.device
-    weights: str = "fp32"  # the decoder layers' weight format (weights.py): fp32, bf16, int8, int4, bf16-fp32 or fp16-fp32
+    # The decoder layers' weight format (weights.py): fp32, bf16, int8, int4, bf16-fp32 or fp16-fp32.
+    weights: str = "fp32"
 
     @property
     def kv_dtype(self) -> torch.dtype:
