@@ -27,6 +27,20 @@ def default_fp32():
     return load_model("smollm2-135m-instruct", dtype="float32", device="cpu")
 
 
+@pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory) -> str:
+    """A 4-layer random Llama folder (hidden size 64) with the default model's tokenizer and chat template:
+    commands and benchmarks whose claims hold on any model run on it, at a hundredth of the real one's compute."""
+    from serving import default_tokenizer
+    from tiny_models import tiny_hf
+
+    tok = default_tokenizer()
+    folder = tmp_path_factory.mktemp("model") / "tiny-llama"
+    tiny_hf("llama", vocab_size=len(tok), max_position_embeddings=4096).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
 def pytest_collection_modifyitems(items):
     """The modules with real-model tests first, in file order, then the rest: `make test` hands a whole
     module to each free worker in this order, so the longest modules start first and the short ones fill

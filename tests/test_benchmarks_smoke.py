@@ -31,23 +31,10 @@ def tiny_data(tmp_path_factory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory) -> str:
-    """A 4-layer random Llama folder (hidden size 64) with the default model's tokenizer and chat template."""
-    from serving import default_tokenizer
-    from tiny_models import tiny_hf
-
-    tok = default_tokenizer()
-    folder = tmp_path_factory.mktemp("model") / "tiny-llama"
-    tiny_hf("llama", vocab_size=len(tok), max_position_embeddings=4096).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    return str(folder)
-
-
 @pytest.fixture(autouse=True)
-def serve_tiny_model(tiny_model, monkeypatch):
+def serve_tiny_model(tiny_model_folder, monkeypatch):
     """Every script started here loads the tiny model where it would load the default one."""
-    monkeypatch.setenv("KVBLEND_MODEL", tiny_model)
+    monkeypatch.setenv("KVBLEND_MODEL", tiny_model_folder)
 
 
 def run(args: list[str], cwd: Path) -> str:
@@ -61,10 +48,10 @@ def bench(name: str) -> str:
     return str(ROOT / "benchmarks" / f"{name}.py")
 
 
-def test_prefill_bench(tiny_model, tmp_path):
+def test_prefill_bench(tiny_model_folder, tmp_path):
     out = tmp_path / "prefill_bench.json"
-    run([bench("prefill_bench"), "--model", tiny_model, "--lengths", "48,96", "--dtype", "float32", "--out", str(out)],
-        tmp_path)
+    run([bench("prefill_bench"), "--model", tiny_model_folder, "--lengths", "48,96", "--dtype", "float32",
+         "--out", str(out)], tmp_path)
     result = json.loads(out.read_text())
     assert [r["length"] for r in result["results"]] == [48, 96]
     assert all(r["runner_s"] > 0 and r["hf_s"] > 0 for r in result["results"])
@@ -92,8 +79,8 @@ def test_redis_cluster_bench(tmp_path):
     assert rows[1:] == ["| cluster, capacity server", "| cluster, capacity kept", "| one server, capacity kept"]
 
 
-def test_peak_rss(tiny_model, tmp_path, tiny_data):
-    out = run([bench("peak_rss"), "--model", tiny_model, "--data", str(tiny_data), "--length", "160",
+def test_peak_rss(tiny_model_folder, tmp_path, tiny_data):
+    out = run([bench("peak_rss"), "--model", tiny_model_folder, "--data", str(tiny_data), "--length", "160",
                "--dtype", "float32", "--threads", "1"], tmp_path)
     result = json.loads(out.strip().splitlines()[-1])
     assert result["dtype"] == "float32" and 0 < result["tokens"] <= 160
@@ -155,7 +142,7 @@ def test_http_yardstick(tmp_path, tiny_data):
         assert row.get("full_logprobs_as_in_process") == rows[path].get("full_logprobs_as_in_process")
 
 
-def test_results_renderer_rebuilds_the_marked_tables_and_the_plots(tiny_model, tmp_path, tiny_data):
+def test_results_renderer_rebuilds_the_marked_tables_and_the_plots(tiny_model_folder, tmp_path, tiny_data):
     """`make results` in small: a tiny eval and a tiny blend_phases run, then the renderer over
     a copy of docs/results.md. Only the marked blocks change; the plots are written."""
     results = tmp_path / "results"
@@ -175,14 +162,14 @@ def test_results_renderer_rebuilds_the_marked_tables_and_the_plots(tiny_model, t
 
     text = (docs / "results.md").read_text()
     heldout = text.split("<!-- results:heldout:start -->")[1].split("<!-- results:heldout:end -->")[0]
-    assert f"| {tiny_model} | tiny 0-0 |" in heldout and "30%:" in heldout
+    assert f"| {tiny_model_folder} | tiny 0-0 |" in heldout and "30%:" in heldout
     phases = text.split("<!-- results:phases:start -->")[1].split("<!-- results:phases:end -->")[0]
     assert "| blend 0.08 |" in phases
     outside = [part.split("<!-- results:")[0] for part in text.split(":end -->")]
     assert outside == [part.split("<!-- results:")[0] for part in original.split(":end -->")]
     table = readme.read_text().split("<!-- results:readme:start -->")[1].split("<!-- results:readme:end -->")[0]
-    assert f"| {tiny_model} | tiny 0-0 (" in table and "| blend 30% |" in table
-    assert f"{tiny_model} on tiny: float32," in table  # the dtype the run used, not one assumed
+    assert f"| {tiny_model_folder} | tiny 0-0 (" in table and "| blend 30% |" in table
+    assert f"{tiny_model_folder} on tiny: float32," in table  # the dtype the run used, not one assumed
     assert readme.read_text().split("<!-- results:readme:start -->")[0] == (ROOT / "README.md").read_text().split(
         "<!-- results:readme:start -->")[0]
     for png in ("frontier.png", "blend_phases.png", "ttft_vs_length.png"):
@@ -245,19 +232,19 @@ def test_linear_kernels(tmp_path):
     assert all(r["ms"] > 0 for r in rows)
 
 
-def test_weights_speed(tiny_model, tmp_path):
+def test_weights_speed(tiny_model_folder, tmp_path):
     out = tmp_path / "speed.json"
-    run([bench("weights_speed"), "--model", tiny_model, "--formats", "fp32,bf16-fp32,fp16-fp32", "--lengths", "24,40",
-         "--repeats", "1", "--decode-steps", "2", "--out", str(out)], tmp_path)
+    run([bench("weights_speed"), "--model", tiny_model_folder, "--formats", "fp32,bf16-fp32,fp16-fp32",
+         "--lengths", "24,40", "--repeats", "1", "--decode-steps", "2", "--out", str(out)], tmp_path)
     result = json.loads(out.read_text())
     assert set(result["prefill_s"]) == {"fp32", "bf16-fp32", "fp16-fp32"}
     assert set(result["prefill_s"]["fp32"]) == {"24", "40"}
     assert all(s > 0 for s in result["decode_s"].values())
 
 
-def test_weight_formats(tiny_model, tmp_path, tiny_data):
+def test_weight_formats(tiny_model_folder, tmp_path, tiny_data):
     out = tmp_path / "formats.json"
-    run([bench("weight_formats"), "--model", tiny_model, "--data", str(tiny_data), "--limit", "1",
+    run([bench("weight_formats"), "--model", tiny_model_folder, "--data", str(tiny_data), "--limit", "1",
          "--formats", "bf16-fp32", "--dtype", "float32", "--answer-tokens", "4", "--positions", "2", "--out", str(out)],
         tmp_path)
     result = json.loads(out.read_text())

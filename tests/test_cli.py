@@ -1,4 +1,5 @@
-"""The `kvblend` command on the default model: eval, demo, generate, and its errors."""
+"""The `kvblend` command: eval and demo (their code and invariants, on a tiny random model with the default
+model's tokenizer), generate on the default model, and its errors."""
 
 import json
 import re
@@ -17,13 +18,13 @@ def _tiny_dataset(path):
     path.write_text(json.dumps(records))
 
 
-@pytest.mark.real_model
-def test_eval_writes_reports_and_keeps_the_invariants(tmp_path, capsys):
+def test_eval_writes_reports_and_keeps_the_invariants(tiny_model_folder, tmp_path, capsys):
     data = tmp_path / "tiny.json"
     _tiny_dataset(data)
     out = tmp_path / "out"
     assert main(["eval", "--data", str(data), "--modes", "prefix,reuse,blend", "--ratios", "0,1.0", "--offset", "1",
-                 "--answer-tokens", "6", "--tf-positions", "4", "--dtype", "float32", "--out", str(out)]) == 0
+                 "--answer-tokens", "6", "--tf-positions", "4", "--dtype", "float32", "--model", tiny_model_folder,
+                 "--out", str(out)]) == 0
     results = json.loads((out / "results.json").read_text())
     assert results["meta"]["n_prompts"] == 1 and results["meta"]["records"] == "1-1"
     # The whole file is the collection its chunks' neighbours come from, not only the records scored.
@@ -41,11 +42,10 @@ def test_eval_writes_reports_and_keeps_the_invariants(tmp_path, capsys):
     assert "blend" in capsys.readouterr().out
 
 
-@pytest.mark.real_model
-def test_demo_runs(capsys):
+def test_demo_runs(tiny_model_folder, capsys):
     demo = json.loads(resources.files("kvblend.demo").joinpath("collection.json").read_text())
     n_passages, n_questions = len(demo["passages"]), len(demo["questions"])
-    assert main(["demo", "--max-tokens", "4", "--dtype", "float32"]) == 0
+    assert main(["demo", "--max-tokens", "4", "--dtype", "float32", "--model", tiny_model_folder]) == 0
     out = capsys.readouterr().out
     assert "full" in out and "blend" in out and f"stored KV of {n_passages} passages" in out
     summary = re.search(rf"blend's answer equals full's on (\d) of {n_questions} questions; its first token came "

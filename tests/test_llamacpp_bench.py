@@ -90,16 +90,16 @@ def test_a_llama_python_without_llama_cpp_stops_with_the_workers_own_error(tmp_p
         bench.LlamaWorker(sys.executable, tmp_path / "m.gguf", 1, tmp_path / "worker.log")
 
 
-@pytest.mark.real_model
-def test_the_command_runs_on_the_default_model_and_says_llama_cpp_was_skipped(tmp_path, capsys):
+def test_the_command_runs_and_says_llama_cpp_was_skipped(tiny_model_folder, tmp_path, capsys):
     data = tmp_path / "rag.json"
     data.write_text(json.dumps([{"question": r.question, "answers": r.answers,
                                  "ctxs": [{"title": "", "text": p} for p in r.passages]} for r in RECORDS]))
     out = tmp_path / "bench.json"
     torch_threads = torch.get_num_threads()
     try:
-        report = bench.main(["--lengths", "128,256", "--repeats", "1", "--threads", "1", "--data", str(data),
-                             "--out", str(out), "--dtype", "float32", "--weights", "auto,bf16-fp32"])
+        report = bench.main(["--model", tiny_model_folder, "--lengths", "128,256", "--repeats", "1", "--threads", "1",
+                             "--data", str(data), "--out", str(out), "--dtype", "float32",
+                             "--weights", "auto,bf16-fp32"])
     finally:
         torch.set_num_threads(torch_threads)
     assert "llama.cpp skipped: no --llama-python given" in capsys.readouterr().out
@@ -110,6 +110,6 @@ def test_the_command_runs_on_the_default_model_and_says_llama_cpp_was_skipped(tm
     assert "kvblend full (bf16-fp32)" in saved["systems"] and "fp32 and bf16-fp32 weights" in saved["dtype"]
     assert all(r["ttft_s"]["kvblend blend (bf16-fp32)"] > 0 for r in saved["rows"])
     with pytest.raises(SystemExit):  # auto is fp32 here: the same format twice
-        bench.main(["--lengths", "128", "--repeats", "1", "--threads", "1", "--data", str(data),
-                    "--out", str(out), "--dtype", "float32", "--weights", "auto,fp32"])
+        bench.main(["--model", tiny_model_folder, "--lengths", "128", "--repeats", "1", "--threads", "1",
+                    "--data", str(data), "--out", str(out), "--dtype", "float32", "--weights", "auto,fp32"])
     assert Path(saved["plot"]).read_bytes()[:4] == b"\x89PNG"

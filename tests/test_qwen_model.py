@@ -51,7 +51,8 @@ def test_rotary_gate_passes(llm):
 
 def test_runner_matches_transformers(llm, rag):
     """Full prefill, then rows after a cached prefix, then decode steps: transformers' own logits."""
-    ids = torch.tensor(rag[2])
+    question, docs, _ = rag
+    ids = torch.tensor(llm.rag_prompt_ids(question, docs[:2]))  # ~230 tokens: a 100-token prefix, then rows
     T = len(ids)
     with torch.inference_mode():
         ref = llm.engine.model.hf(ids[None]).logits[0]
