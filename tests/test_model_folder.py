@@ -60,13 +60,16 @@ def test_loads_of_a_new_gguf_at_once_convert_it_once(tmp_path, monkeypatch):
 
 def test_a_conversion_parses_its_gguf_once_and_writes_the_same_folder(tmp_path, monkeypatch):
     """transformers reads a GGUF for the config, the tokenizer and the weights; each parse of a large
-    vocabulary takes seconds, so a conversion shares one reader. The folder is the one converted before."""
+    vocabulary takes seconds, so a conversion shares one reader (and parses strings and maps tensor names
+    faster). The folder is the one converted before, byte for byte."""
     import gguf
+    from transformers import modeling_gguf_pytorch_utils as hf_gguf
 
     from kvblend.model import loader
 
     parses = []
     reader, parse = gguf.GGUFReader, gguf.GGUFReader.__init__
+    swapped = gguf.get_tensor_name_map, hf_gguf._gguf_parse_value
 
     def counted(self, path, mode="r"):
         parses.append(path)
@@ -76,6 +79,7 @@ def test_a_conversion_parses_its_gguf_once_and_writes_the_same_folder(tmp_path, 
     path = loader.resolve_model_path(NAME)
     loader._convert_gguf(path, tmp_path / "m")
     assert len(parses) == 1 and gguf.GGUFReader is reader  # shared while converting, then given back
+    assert (gguf.get_tensor_name_map, hf_gguf._gguf_parse_value) == swapped
     before = hf_folder(NAME)
     for name in ("model.safetensors", "tokenizer.json"):
         assert (tmp_path / "m" / name).read_bytes() == (before / name).read_bytes(), name

@@ -14,9 +14,6 @@ import json
 import logging
 import shutil
 import tempfile
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +22,7 @@ from filelock import FileLock
 
 from .allocator import bound_kernel_caches, keep_freed_memory, release_freed_memory
 from .aliases import ALIASES, DEFAULT_MODEL, ModelLoadError, cache_dir, int8_checked, resolve_alias
+from .gguf_parse import one_gguf_parse
 from .layer_loader import load_layerwise
 from .tokenizer import load_tokenizer
 from .weights import HELD_DTYPES, QUANTIZED, WeightsError, cpu_flags, dense_format, format_key, quantize_layer, resolve_weights
@@ -167,7 +165,7 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("converting %s to a safetensors folder in %s (once)", gguf, folder)
-    with _one_gguf_parse():
+    with one_gguf_parse():
         config = _read_config(gguf)
         check_architecture(config, str(gguf))
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -186,52 +184,6 @@ def _convert_gguf(gguf: Path, folder: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
         if not (folder / "model.safetensors").is_file():
             raise
-
-
-_GGUF_SWAP = threading.Lock()
-
-
-@contextmanager
-def _one_gguf_parse() -> Iterator[None]:
-    """transformers parses a GGUF's metadata anew for the config, the tokenizer and the weights, and
-    a parse of a large vocabulary is slow (Gemma 3's 262k tokens: about 10 s each): while this is
-    open, each file is parsed once and its reader (read-only, over a memory map) is shared. The swap is
-    process-wide, so conversions in one process take turns: two at once would restore each other's."""
-    import gguf
-
-    with _GGUF_SWAP:
-        original, readers = gguf.GGUFReader, {}
-
-        def shared(path, mode="r"):
-            key = (str(Path(path).resolve()), mode)
-            if key not in readers:
-                readers[key] = _plain_array_reader()(path, mode)
-            return readers[key]
-
-        gguf.GGUFReader = shared
-        try:
-            yield
-        finally:
-            gguf.GGUFReader = original
-
-
-def _plain_array_reader():
-    """gguf's reader over a plain-array view of its memory map: the parse slices the map once per
-    token and merge (about a million times for a 150k vocabulary), and each slice of an np.memmap pays
-    for a Python-level __array_finalize__ (a third of a conversion's time)."""
-    import numpy as np
-    from gguf.gguf_reader import GGUFReader
-
-    class PlainArrayReader(GGUFReader):
-        @property
-        def data(self):
-            return self._plain
-
-        @data.setter
-        def data(self, mapped):
-            self._plain = mapped.view(np.ndarray)
-
-    return PlainArrayReader
 
 
 def _read_config(path: Path):
