@@ -41,6 +41,16 @@ def tiny_model_folder(tmp_path_factory) -> str:
     return str(folder)
 
 
+@pytest.fixture(scope="session")
+def warm_python():
+    """Runs scripts in forks of one interpreter that has imported torch, transformers and kvblend (warm_python.py)."""
+    from warm_python import WarmPython
+
+    python = WarmPython(dict(os.environ))
+    yield python
+    python.close()
+
+
 def pytest_collection_modifyitems(items):
     """The modules with real-model tests first, in file order, then the rest: `make test` hands a whole
     module to each free worker in this order, so the longest modules start first and the short ones fill

@@ -3,14 +3,14 @@ a few dozen tokens, one repeat), and writes what the docs say it writes. Nothing
 timings or its scores: they only have to be there. So the benchmarks run on a tiny random model
 with the default model's tokenizer (KVBLEND_MODEL, or --model where a script takes its own default):
 the same code paths as the real model's, at a hundredth of its compute. The real models' claims
-are tested in test_default_model.py, test_qwen_model.py and test_gemma_model.py."""
+are tested in test_default_model.py, test_qwen_model.py and test_gemma_model.py. Each script runs in a
+process of its own, forked from a warm interpreter (warm_python.py): a fresh one spent more time on its
+imports than the script on its work."""
 
 from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from importlib import resources
 from pathlib import Path
 
@@ -37,18 +37,27 @@ def serve_tiny_model(tiny_model_folder, monkeypatch):
     monkeypatch.setenv("KVBLEND_MODEL", tiny_model_folder)
 
 
-def run(args: list[str], cwd: Path) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+def script_env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+
+
+@pytest.fixture
+def run(warm_python):
+    """Runs `python ARGS` in CWD (forked from a warm interpreter), checks it succeeded, returns its stdout."""
+
+    def run_script(args: list[str], cwd: Path) -> str:
+        proc = warm_python.run(args, cwd, script_env())
+        assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        return proc.stdout
+
+    return run_script
 
 
 def bench(name: str) -> str:
     return str(ROOT / "benchmarks" / f"{name}.py")
 
 
-def test_prefill_bench(tiny_model_folder, tmp_path):
+def test_prefill_bench(run, tiny_model_folder, tmp_path):
     out = tmp_path / "prefill_bench.json"
     run([bench("prefill_bench"), "--model", tiny_model_folder, "--lengths", "48,96", "--dtype", "float32",
          "--out", str(out)], tmp_path)
@@ -57,7 +66,7 @@ def test_prefill_bench(tiny_model_folder, tmp_path):
     assert all(r["runner_s"] > 0 and r["hf_s"] > 0 for r in result["results"])
 
 
-def test_blend_phases(tmp_path, tiny_data):
+def test_blend_phases(run, tmp_path, tiny_data):
     out = tmp_path / "phases.json"
     run([bench("blend_phases"), "--data", str(tiny_data), "--limit", "1", "--repeats", "1", "--ratios", "0.08",
          "--dtype", "float32", "--out", str(out)], tmp_path)
@@ -66,20 +75,20 @@ def test_blend_phases(tmp_path, tiny_data):
     assert result["phases"]["blend 0.08"]["probe: qkv"] > 0 and result["phases"]["full"]["probe: qkv"] == 0
 
 
-def test_storage_bench(tmp_path, tiny_data):
+def test_storage_bench(run, tmp_path, tiny_data):
     out = tmp_path / "storage.json"
     run([bench("storage_bench"), "--data", str(tiny_data), "--limit", "1", "--no-quality", "--bandwidths", "100",
          "--dtype", "float32", "--out", str(out), "--plot", str(tmp_path / "storage.png")], tmp_path)
     assert json.loads(out.read_text())["rows"]
 
 
-def test_redis_cluster_bench(tmp_path):
+def test_redis_cluster_bench(run, tmp_path):
     out = run([bench("redis_cluster_bench"), "--entries", "8", "--chunks", "4", "--prompts", "2"], tmp_path)
     rows = [line.split(" | ")[0] for line in out.splitlines() if line.startswith("| ") and "---" not in line]
     assert rows[1:] == ["| cluster, capacity server", "| cluster, capacity kept", "| one server, capacity kept"]
 
 
-def test_peak_rss(tiny_model_folder, tmp_path, tiny_data):
+def test_peak_rss(run, tiny_model_folder, tmp_path, tiny_data):
     out = run([bench("peak_rss"), "--model", tiny_model_folder, "--data", str(tiny_data), "--length", "160",
                "--dtype", "float32", "--threads", "1"], tmp_path)
     result = json.loads(out.strip().splitlines()[-1])
@@ -87,19 +96,19 @@ def test_peak_rss(tiny_model_folder, tmp_path, tiny_data):
     assert result["loaded_peak_mib"] <= result["after_full_peak_mib"] <= result["after_blend_peak_mib"]
 
 
-def test_tier_bandwidth(tmp_path):
+def test_tier_bandwidth(run, tmp_path):
     out = tmp_path / "tiers.json"
     run([bench("tier_bandwidth"), "--tokens", "32", "--layers", "2", "--repeats", "1", "--out", str(out)], tmp_path)
     assert json.loads(out.read_text())["rows"]
 
 
-def test_chunk_loading(tmp_path, tiny_data):
+def test_chunk_loading(run, tmp_path, tiny_data):
     printed = run([bench("chunk_loading"), "--data", str(tiny_data), "--offset", "0", "--repeats", "1",
                    "--dtype", "float32"], tmp_path)
     assert "into a fresh cache" in printed
 
 
-def test_offline_batch(tmp_path):
+def test_offline_batch(run, tmp_path):
     out = tmp_path / "offline.json"
     run([bench("offline_batch"), "--prompts", "3", "--max-tokens", "3", "--repeats", "1", "--dtype", "float32",
          "--out", str(out)], tmp_path)
@@ -107,7 +116,7 @@ def test_offline_batch(tmp_path):
     assert result["outputs_match"] and [r["run"] for r in result["rows"]] == ["one at a time", "batched"]
 
 
-def test_serve_bench(tmp_path):
+def test_serve_bench(run, tmp_path):
     out = tmp_path / "serve.json"
     run([bench("serve_bench"), "--requests", "2", "--concurrency", "2", "--streams", "2", "--decode-tokens", "2",
          "--max-tokens", "2", "--passages", "3", "--docs-per-prompt", "2", "--out", str(out)], tmp_path)
@@ -115,7 +124,7 @@ def test_serve_bench(tmp_path):
     assert [r["mode"] for r in result["rag"]] == ["full", "prefix", "blend"]
 
 
-def test_http_yardstick(tmp_path, tiny_data):
+def test_http_yardstick(run, tmp_path, tiny_data):
     """Both orders in process and through the server, and a second replica on a fresh Redis."""
     out = tmp_path / "yardstick.json"
     run([bench("http_yardstick"), "--data", str(tiny_data), "--offset", "0", "--limit", "1", "--answer-tokens", "4",
@@ -142,7 +151,7 @@ def test_http_yardstick(tmp_path, tiny_data):
         assert row.get("full_logprobs_as_in_process") == rows[path].get("full_logprobs_as_in_process")
 
 
-def test_results_renderer_rebuilds_the_marked_tables_and_the_plots(tiny_model_folder, tmp_path, tiny_data):
+def test_results_renderer_rebuilds_the_marked_tables_and_the_plots(run, tiny_model_folder, tmp_path, tiny_data):
     """`make results` in small: a tiny eval and a tiny blend_phases run, then the renderer over
     a copy of docs/results.md. Only the marked blocks change; the plots are written."""
     results = tmp_path / "results"
@@ -177,54 +186,16 @@ def test_results_renderer_rebuilds_the_marked_tables_and_the_plots(tiny_model_fo
 
 
 EXPERIMENTS = sorted(p.name for p in (ROOT / "experiments").glob("*.py"))
-# Runs each script with --help in a process of its own, forked from one that imported the libraries
-# they all use (kvblend's engine and transformers' model code included): a fresh interpreter per script
-# spent three seconds on torch's import alone, and each fork 2.5 s more on the rest on a slow CPU. The
-# child starts where `python script.py` would: the script's folder first on sys.path.
-HELP_EACH = """
-import os, runpy, sys, traceback
-import numpy, torch, transformers, transformers.modeling_utils, kvblend.eval.harness
-out, scripts = sys.argv[1], sys.argv[2:]
-for script in scripts:
-    name = os.path.basename(script)
-    pid = os.fork()
-    if pid == 0:
-        fd = os.open(os.path.join(out, name + ".out"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(fd, 1), os.dup2(fd, 2)
-        sys.argv, sys.path[0], code = [script, "--help"], os.path.dirname(script), 0
-        try:
-            runpy.run_path(script, run_name="__main__")
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else int(e.code is not None)
-        except BaseException:
-            traceback.print_exc()
-            code = 1
-        sys.stdout.flush(), sys.stderr.flush()
-        os._exit(code)
-    _, status = os.waitpid(pid, 0)
-    with open(os.path.join(out, name + ".rc"), "w") as f:
-        f.write(str(os.waitstatus_to_exitcode(status)))
-"""
-
-
-@pytest.fixture(scope="module")
-def experiment_help(tmp_path_factory) -> Path:
-    """Each experiment script's --help output (<name>.out) and exit status (<name>.rc)."""
-    out = tmp_path_factory.mktemp("experiments")
-    run(["-c", HELP_EACH, str(out), *(str(ROOT / "experiments" / s) for s in EXPERIMENTS)], out)
-    return out
 
 
 @pytest.mark.parametrize("script", EXPERIMENTS)
-def test_experiment_scripts_find_their_imports(script, experiment_help):
+def test_experiment_scripts_find_their_imports(script, run, tmp_path):
     """The research scripts are not run here (they need the evaluation data and minutes each), but
     each must still import what it uses, benchmarks/ helpers included, from any directory."""
-    text = (experiment_help / f"{script}.out").read_text()
-    assert (experiment_help / f"{script}.rc").read_text() == "0", text[-3000:]
-    assert "usage:" in text
+    assert "usage:" in run([str(ROOT / "experiments" / script), "--help"], tmp_path)
 
 
-def test_linear_kernels(tmp_path):
+def test_linear_kernels(run, tmp_path):
     out = tmp_path / "kernels.json"
     run([bench("linear_kernels"), "--rows", "8", "--shapes", "0.5B up", "--repeats", "1", "--out", str(out)], tmp_path)
     rows = json.loads(out.read_text())["rows"]
@@ -232,7 +203,7 @@ def test_linear_kernels(tmp_path):
     assert all(r["ms"] > 0 for r in rows)
 
 
-def test_weights_speed(tiny_model_folder, tmp_path):
+def test_weights_speed(run, tiny_model_folder, tmp_path):
     out = tmp_path / "speed.json"
     run([bench("weights_speed"), "--model", tiny_model_folder, "--formats", "fp32,bf16-fp32,fp16-fp32",
          "--lengths", "24,40", "--repeats", "1", "--decode-steps", "2", "--out", str(out)], tmp_path)
@@ -242,7 +213,7 @@ def test_weights_speed(tiny_model_folder, tmp_path):
     assert all(s > 0 for s in result["decode_s"].values())
 
 
-def test_weight_formats(tiny_model_folder, tmp_path, tiny_data):
+def test_weight_formats(run, tiny_model_folder, tmp_path, tiny_data):
     out = tmp_path / "formats.json"
     run([bench("weight_formats"), "--model", tiny_model_folder, "--data", str(tiny_data), "--limit", "1",
          "--formats", "bf16-fp32", "--dtype", "float32", "--answer-tokens", "4", "--positions", "2", "--out", str(out)],

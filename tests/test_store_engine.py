@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -349,14 +347,14 @@ json.dump({{"tiers": out.stats.chunk_tiers, "tokens": done.token_ids}}, open(sys
 """
 
 
-def test_second_process_blends_chunks_the_first_stored_in_redis(tmp_path, any_redis):
+def test_second_process_blends_chunks_the_first_stored_in_redis(tmp_path, any_redis, warm_python):
     script = tmp_path / "proc.py"
     script.write_text(PROCESS.format(tests=str(TESTS), url=any_redis.url))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     results = {}
-    for name in ("first", "second"):
-        subprocess.run([sys.executable, str(script), name, str(tmp_path / name)], check=True, env=env,
-                       timeout=300)
+    for name in ("first", "second"):  # processes of their own (forks of a warm interpreter): no memory shared
+        proc = warm_python.run([str(script), name, str(tmp_path / name)], tmp_path, env, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
         results[name] = (torch.load(tmp_path / f"{name}.pt"), json.loads((tmp_path / f"{name}.json").read_text()))
     (first_logits, first), (second_logits, second) = results["first"], results["second"]
     assert first["tiers"] == ["memory"] * 4 and second["tiers"] == ["redis"] * 4
