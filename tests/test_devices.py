@@ -9,8 +9,6 @@ dtype's tolerance there.
 
 import json
 import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -128,16 +126,15 @@ def test_chunks_read_back_from_disk_onto_the_device(device, tmp_path):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_gpu_bench_runs_on_the_tiny_shape(device, tmp_path):
+def test_gpu_bench_runs_on_the_tiny_shape(device, tmp_path, warm_python):
     """The GPU benchmark as written, on a tiny model of its shape family: every mode and the layer
     costs come back (nothing reads the timings)."""
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "gpu_bench.json"
     path = os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "PYTHONPATH": path, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(root / "benchmarks" / "gpu_bench.py"), "--shape", "tiny", "--device",
-                           device, "--lengths", "200,400", "--repeats", "1", "--out", str(out)],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = warm_python.run([str(root / "benchmarks" / "gpu_bench.py"), "--shape", "tiny", "--device", device,
+                            "--lengths", "200,400", "--repeats", "1", "--out", str(out)], tmp_path, env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert report["device"].startswith(device) and len(report["results"]) == 2

@@ -1,8 +1,9 @@
 """Scripts run as `python script.py ...` runs them, in processes forked from one that has already imported
-what they all import (torch, transformers' model code, kvblend's engine): on a slow CPU a fresh interpreter
-spends about six seconds on those imports, once per script. Each child starts where `python` would: the
-script's folder (for `-m`, the working directory) first on sys.path, then PYTHONPATH's, the caller's
-working directory, environment (OMP_NUM_THREADS included) and arguments, stdin empty; it runs the script as __main__ and exits with its status."""
+what they all import (torch, transformers' model code, kvblend's engine; or vLLM): on a slow CPU a fresh
+interpreter spends six seconds on those imports (vLLM: fifteen), once per script. Each child starts where
+`python` would: the script's folder (for `-m`, the working directory) first on sys.path, then PYTHONPATH's,
+the caller's working directory, environment (OMP_NUM_THREADS included) and arguments, stdin empty; it runs
+the script as __main__ and exits with its status."""
 
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ from pathlib import Path
 
 SERVER = r"""
 import json, os, runpy, sys, traceback
-import numpy, torch, transformers, transformers.modeling_utils, kvblend.eval.harness
+import torch
+PRELOAD
 answers = os.fdopen(os.dup(1), "w")
 for line in sys.stdin:
     job = json.loads(line)
@@ -56,13 +58,16 @@ for line in sys.stdin:
 """
 
 
-class WarmPython:
-    """One warm server; `run` runs a script (or `-m module`) in a fork of it and returns its exit status
-    and output, as subprocess.run(..., capture_output=True, text=True) would."""
+KVBLEND = "import numpy, transformers, transformers.modeling_utils, kvblend.eval.harness"
 
-    def __init__(self, env: dict[str, str]):
-        self.proc = subprocess.Popen([sys.executable, "-c", SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     text=True, env=env, start_new_session=True)
+
+class WarmPython:
+    """One warm server that has run `preload`; `run` runs a script (or `-m module`) in a fork of it and
+    returns its exit status and output, as subprocess.run(..., capture_output=True, text=True) would."""
+
+    def __init__(self, env: dict[str, str], preload: str = KVBLEND):
+        self.proc = subprocess.Popen([sys.executable, "-c", SERVER.replace("PRELOAD", preload)], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
     def run(self, args: list[str], cwd: Path, env: dict[str, str], timeout: float = 600) -> subprocess.CompletedProcess:
         with tempfile.TemporaryDirectory() as tmp:

@@ -4,11 +4,10 @@ kvblend run the same code paths as on a real model, at a hundredth of its comput
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from warm_python import WarmPython
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -38,15 +37,27 @@ def tiny_data(tmp_path: Path) -> Path:
     return path
 
 
-def run(script: str, *args: str) -> None:
+def script_env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)  # as users run them
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return env
 
 
-def test_vllm_bench(tiny_model, tmp_path):
+@pytest.fixture(scope="module")
+def run():
+    """Runs a benchmark script in a fork of an interpreter that has imported vLLM and kvblend (warm_python.py);
+    the engines it starts are processes of their own, as vLLM starts them."""
+    python = WarmPython(script_env(), preload="import vllm, kvblend.vllm, kvblend.eval.harness")
+
+    def run_script(script: str, *args: str) -> None:
+        proc = python.run([str(ROOT / "benchmarks" / script), *args], ROOT, script_env(), timeout=900)
+        assert proc.returncode == 0, f"{script} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+
+    yield run_script
+    python.close()
+
+
+def test_vllm_bench(run, tiny_model, tmp_path):
     out = tmp_path / "bench.json"
     run("vllm_bench.py", "--model", tiny_model, "--data", str(tiny_data(tmp_path)),
         "--lengths", "200", "--repeats", "1", "--quality-limit", "1", "--out", str(out))
@@ -55,7 +66,7 @@ def test_vllm_bench(tiny_model, tmp_path):
     assert len(report["quality"]["per_record"]) == 1
 
 
-def test_vllm_serve_bench(tiny_model, tmp_path):
+def test_vllm_serve_bench(run, tiny_model, tmp_path):
     out = tmp_path / "serve.json"
     run("vllm_serve_bench.py", "--model", tiny_model, "--data", str(tiny_data(tmp_path)),
         "--requests", "2", "--concurrency", "2", "--max-tokens", "4", "--out", str(out))
