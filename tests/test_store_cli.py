@@ -86,14 +86,15 @@ def test_storage_flags_reach_the_settings():
 
 
 @pytest.mark.parametrize("file_end", ["", "\n", "\r\n\n"])
-def test_put_precomputes_documents_into_the_disk_tier(tmp_path, capsys, file_end):
+def test_put_precomputes_documents_into_the_disk_tier(tiny_model_folder, tmp_path, capsys, file_end):
     texts = ["Marrowick is a town on the Tesk river.", "The Tesk rises in the Ollin hills."]
     docs = []
     for i, text in enumerate(texts):
         docs.append(tmp_path / f"d{i}.txt")
         docs[-1].write_bytes((text + file_end).encode())  # an editor's trailing newline is no part of it
     kv = tmp_path / "kv"
-    assert main(["store", "put", *map(str, docs), "--local-disk", str(kv), "--no-local-cpu"]) == 0
+    assert main(["store", "put", *map(str, docs), "--model", tiny_model_folder, "--local-disk", str(kv),
+                 "--no-local-cpu"]) == 0
     assert "stored 2 new chunks" in capsys.readouterr().out
     assert main(["store", "verify", "--local-disk", str(kv)]) == 0
     out = capsys.readouterr().out
@@ -101,7 +102,7 @@ def test_put_precomputes_documents_into_the_disk_tier(tmp_path, capsys, file_end
     # A request for those documents now reads them from disk (the first as exact prefix blocks).
     from kvblend.api import LLM, SamplingParams
 
-    llm = LLM(local_disk=str(kv), local_cpu=False)
+    llm = LLM(model=tiny_model_folder, local_disk=str(kv), local_cpu=False)
     out = llm.generate("Where does the Tesk rise?", SamplingParams(max_tokens=2),
                        documents=texts)[0]
     assert out.metrics.chunk_tiers == ["prefix", "disk"] and out.metrics.prefix_hit_tokens > 0
@@ -119,13 +120,14 @@ def test_storage_settings_from_yaml(tmp_path, yaml_text, field, value):
     assert getattr(load_settings(path), field) == value
 
 
-def test_put_precomputes_a_dataset_as_eval_lays_it_out(tmp_path, capsys):
+def test_put_precomputes_a_dataset_as_eval_lays_it_out(tiny_model_folder, tmp_path, capsys):
     from test_cli import _tiny_dataset
 
     data = tmp_path / "tiny.json"
     _tiny_dataset(data)
     kv = tmp_path / "kv"
-    assert main(["store", "put", "--data", str(data), "--local-disk", str(kv), "--no-local-cpu"]) == 0
+    assert main(["store", "put", "--data", str(data), "--model", tiny_model_folder, "--local-disk", str(kv),
+                 "--no-local-cpu"]) == 0
     stored = int(capsys.readouterr().out.split("stored ")[1].split()[0])
     assert stored >= 2
     assert main(["store", "ls", "--local-disk", str(kv)]) == 0
