@@ -59,6 +59,23 @@ def test_rows_attend_exactly_as_in_a_full_causal_pass(rows):
     assert torch.equal(out, full[:, pick])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_under_one_key_block_attends_as_the_reference(dtype):
+    """A sequence shorter than a key block decodes over the whole block, the keys past its own
+    masked out (whatever they hold): its row is softmax(q k^T * scale) over its own keys."""
+    g = torch.Generator().manual_seed(4)
+    T = 100
+    q, k, v = (torch.randn(h, KEY_BLOCK, 16, generator=g).to(dtype) for h in (6, 2, 2))
+    k[:, T:], v[:, T:] = 1e4, -1e4  # unwritten slots: a leak of either would show
+    (group,) = query_groups(torch.tensor([T - 1]), KEY_BLOCK)
+    assert group.mask is not None and group.end == KEY_BLOCK
+    out = attend(q[:, T - 1:T], k, v, [group], 16 ** -0.5)
+    kk, vv = k[:, :T].float().repeat_interleave(3, dim=0), v[:, :T].float().repeat_interleave(3, dim=0)
+    ref = (q[:, T - 1:T].float() @ kk.transpose(1, 2) * 16 ** -0.5).softmax(-1) @ vv
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), ref, atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("rows", ["scattered", "decode", "causal"])
 def test_biased_groups_add_the_key_bias_to_the_logits(rows):
     """Float masks from biased_groups: softmax(q k^T * scale + bias) over the keys a row sees."""

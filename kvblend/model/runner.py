@@ -450,11 +450,16 @@ def biased_groups(groups: list[QueryGroup], bias: torch.Tensor) -> list[QueryGro
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[QueryGroup], scale: float) -> torch.Tensor:
     """Attention of queries q [H, n, d] over keys/values [Hkv, T, d] (slot == position), by the
     `query_groups` of the queries' positions (or their `biased_groups`)."""
-    if q.shape[1] == 1 and (groups[0].mask is None or groups[0].mask.dtype != torch.bool):
+    if q.shape[1] == 1:
         # Decode: the kernel's one-row path is slow (bf16: 7x); the query heads that share a key
-        # head, taken as rows of one call, go through its multi-row path instead.
+        # head, taken as rows of one call, go through its multi-row path instead. A sequence under
+        # one key block reads the whole block, its unwritten keys masked: the mask, made additive,
+        # applies to every folded row alike.
         g = groups[0]
-        mask = None if g.mask is None else g.mask.to(q.dtype)[None, None]
+        mask = g.mask
+        if mask is not None and mask.dtype == torch.bool:
+            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+        mask = None if mask is None else mask.to(q.dtype)[None, None]
         o = F.scaled_dot_product_attention(q.view(k.shape[0], -1, q.shape[2])[None], k[None, :, g.start:g.end],
                                            v[None, :, g.start:g.end], attn_mask=mask, scale=scale)[0]
         return o.reshape(q.shape)  # CUDA kernels may return it strided
