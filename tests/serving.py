@@ -10,16 +10,17 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from contextlib import contextmanager
 from functools import lru_cache
+from pathlib import Path
 
 import httpx
 import uvicorn
 from redis_server import free_port
 from tiny_models import tiny_model
+from warm_python import WarmProcess
 
 from kvblend.config import Settings
 from kvblend.engine.engine import Engine
@@ -72,17 +73,17 @@ def live_server(engine: Engine | None = None, **config):
         sock.close()
 
 
-def serve_process(folder, *args: str) -> tuple[subprocess.Popen, str]:
-    """`kvblend serve` as a user runs it, a subprocess on a free loopback port: (process, base url)."""
+def serve_process(warm_python, folder, *args: str) -> tuple[WarmProcess, str]:
+    """`kvblend serve` as a user runs it (`python -m kvblend.cli serve`, in a fork of the warm python),
+    a process of its own on a free loopback port: (process, base url)."""
     port = free_port()
-    cmd = [sys.executable, "-m", "kvblend.cli", "serve", "--model", str(folder), "--dtype", "float32",
+    cmd = ["-m", "kvblend.cli", "serve", "--model", str(folder), "--dtype", "float32",
            "--device", "cpu", "--port", str(port), "--served-model-name", "tiny", *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = warm_python.start(cmd, Path.cwd(), {**os.environ, "OMP_NUM_THREADS": "1"})
     return proc, f"http://127.0.0.1:{port}"
 
 
-def wait_healthy(proc: subprocess.Popen, url: str) -> None:
+def wait_healthy(proc: WarmProcess, url: str) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while True:
         assert proc.poll() is None, proc.stdout.read()
@@ -94,7 +95,7 @@ def wait_healthy(proc: subprocess.Popen, url: str) -> None:
             time.sleep(0.2)
 
 
-def stop(proc: subprocess.Popen) -> None:
+def stop(proc: WarmProcess) -> None:
     """Ctrl-C, as a user stops it; killed if it has not exited in 30 s."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)

@@ -6,8 +6,6 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import subprocess
-import sys
 from pathlib import Path
 
 import httpx
@@ -31,7 +29,7 @@ def recipe_lines(section: str) -> list[str]:
     return [line.split("  #")[0].strip() for line in re.findall(r"^kvblend .*$", body, re.M)]
 
 
-def test_the_store_then_serve_recipe_serves_what_was_put(tmp_path):
+def test_the_store_then_serve_recipe_serves_what_was_put(tmp_path, warm_python):
     lines = recipe_lines("### Storing documents ahead")
     put = next(line for line in lines if line.startswith("kvblend store put corpus/"))
     serve = next(line for line in lines if line.startswith("kvblend serve"))
@@ -51,9 +49,8 @@ def test_the_store_then_serve_recipe_serves_what_was_put(tmp_path):
     args = filled(serve)
     key = args[args.index("--api-key") + 1]
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvblend.cli", *args, "--port", str(port)],
-                            env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = warm_python.start(["-m", "kvblend.cli", *args, "--port", str(port)], Path.cwd(),
+                             {**os.environ, "OMP_NUM_THREADS": "1"})
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(proc, url)

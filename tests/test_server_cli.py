@@ -5,12 +5,12 @@ from serving import default_tokenizer, serve_process, stop, wait_healthy
 from tiny_models import tiny_hf
 
 
-def test_kvblend_serve_runs_a_model_folder(tmp_path):
+def test_kvblend_serve_runs_a_model_folder(tmp_path, warm_python):
     tok = default_tokenizer()
     folder = tmp_path / "tiny-llama"
     tiny_hf("llama", vocab_size=len(tok), max_position_embeddings=1024).save_pretrained(folder)
     tok.save_pretrained(folder)
-    proc, url = serve_process(folder, "--api-key", "sk-1")
+    proc, url = serve_process(warm_python, folder, "--api-key", "sk-1")
     try:
         wait_healthy(proc, url)
         assert httpx.get(url + "/v1/models").status_code == 401

@@ -19,14 +19,14 @@ DOCS = ["Marrowick is a town on the Tesk river.", "The Tesk river flows north in
         "Grey Sea ferries leave Marrowick at dawn."]
 
 
-def start_replica(folder, redis_url: str):
+def start_replica(warm_python, folder, redis_url: str):
     # No minimum recompute budget: the short prompts here check that chunks are reused.
-    return serve_process(folder, "--remote-url", redis_url, "--min-recompute-tokens", "0",
+    return serve_process(warm_python, folder, "--remote-url", redis_url, "--min-recompute-tokens", "0",
                          *(a for key in KEYS.values() for a in ("--api-key", key)))
 
 
 @pytest.fixture(scope="module", params=["server", "cluster"])
-def replicas(request, tmp_path_factory):
+def replicas(request, tmp_path_factory, warm_python):
     tok = default_tokenizer()
     folder = tmp_path_factory.mktemp("model") / "tiny-llama"
     tiny_hf("llama", vocab_size=len(tok), max_position_embeddings=1024).save_pretrained(folder)
@@ -38,8 +38,8 @@ def replicas(request, tmp_path_factory):
         redis.flush()
     procs = []
     try:
-        # Started together: each spends most of its start importing torch and loading the model.
-        procs = [start_replica(folder, redis.url) for _ in range(2)]
+        # Started together: each loads the model while the other does.
+        procs = [start_replica(warm_python, folder, redis.url) for _ in range(2)]
         for proc, url in procs:
             wait_healthy(proc, url)
         yield [url for _, url in procs], redis
