@@ -7,7 +7,7 @@ import httpx
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from serving import MODEL_NAME, live_server
+from serving import MODEL_NAME, default_tokenizer, live_server
 
 junk = st.one_of(st.none(), st.booleans(), st.integers(min_value=-2**70, max_value=2**70),
                  st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=20),
@@ -42,8 +42,11 @@ valid_options = {
                                                    "recompute_ratio": st.floats(0, 1)}),
 }
 documents = st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=3)
+# A text the tokenizer keeps something of: six control characters alone (\x04, \x06, ...) are no tokens, and
+# an empty prompt is rightly a 400.
+prompt_text = st.text(min_size=1, max_size=40).filter(lambda s: default_tokenizer().encode(s, add_special_tokens=False))
 valid_completion = st.one_of(
-    st.fixed_dictionaries({"model": st.just(MODEL_NAME), "prompt": st.text(min_size=1, max_size=40)},
+    st.fixed_dictionaries({"model": st.just(MODEL_NAME), "prompt": prompt_text},
                           optional={**valid_options, "documents": documents}),
     st.fixed_dictionaries({"model": st.just(MODEL_NAME), "prompt": st.lists(st.integers(0, 49151), min_size=1,
                                                                             max_size=8)}, optional=valid_options))
@@ -110,3 +113,8 @@ def test_valid_chats_succeed(server, body):
     response = server.post("/v1/chat/completions", json=body)
     assert response.status_code == 200, response.text
     check(response, body.get("stream") is True)
+
+
+def test_a_prompt_the_tokenizer_keeps_nothing_of_is_a_clear_400(server):
+    response = server.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "\x06\x04"})
+    assert response.status_code == 400 and response.json()["error"]["message"] == "the prompt is empty"
