@@ -41,12 +41,18 @@ valid_options = {
     "kvblend": st.fixed_dictionaries({}, optional={"mode": st.sampled_from(["full", "prefix", "reuse", "blend"]),
                                                    "recompute_ratio": st.floats(0, 1)}),
 }
-documents = st.lists(st.text(min_size=1, max_size=30), min_size=1, max_size=3)
-# A text the tokenizer keeps something of: six control characters alone (\x04, \x06, ...) are no tokens, and
-# an empty prompt is rightly a 400.
-prompt_text = st.text(min_size=1, max_size=40).filter(lambda s: default_tokenizer().encode(s, add_special_tokens=False))
+
+
+def tokens_text(max_size: int):
+    r"""Text the tokenizer keeps something of: six control characters alone (\x04, \x06, ...) are no tokens,
+    and an empty prompt or document is rightly a 400."""
+    keeps = lambda s: default_tokenizer().encode(s, add_special_tokens=False)  # noqa: E731
+    return st.text(min_size=1, max_size=max_size).filter(keeps)
+
+
+documents = st.lists(tokens_text(30), min_size=1, max_size=3)
 valid_completion = st.one_of(
-    st.fixed_dictionaries({"model": st.just(MODEL_NAME), "prompt": prompt_text},
+    st.fixed_dictionaries({"model": st.just(MODEL_NAME), "prompt": tokens_text(40)},
                           optional={**valid_options, "documents": documents}),
     st.fixed_dictionaries({"model": st.just(MODEL_NAME), "prompt": st.lists(st.integers(0, 49151), min_size=1,
                                                                             max_size=8)}, optional=valid_options))

@@ -166,11 +166,13 @@ def test_malformed_chat_and_chunks(server):
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "How many arches?"}]}),
     ("/v1/chunks", {}),
 ])
-def test_a_document_holding_the_separator_is_refused_on_every_route(server, route, body):
-    docs = ["The bridge has seven arches.", "Marrowick # #  lies on the Tesk."]
+@pytest.mark.parametrize("doc,why", [("Marrowick # #  lies on the Tesk.", "document 2 holds the separator"),
+                                     ("\x06\x04", "document 2 holds no tokens")])  # the tokenizer keeps nothing of it
+def test_a_document_that_would_not_be_one_chunk_is_refused_on_every_route(server, route, body, doc, why):
+    docs = ["The bridge has seven arches.", doc]
     r = http(server).post(route, json={"model": MODEL_NAME, "max_tokens": 2, **body, "documents": docs})
     assert_error(r, 400, "documents")
-    assert "document 2 holds the separator" in r.json()["error"]["message"]
+    assert why in r.json()["error"]["message"]
 
 
 def test_body_size_limit(server):

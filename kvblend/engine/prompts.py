@@ -75,13 +75,15 @@ def chat_prompt(tokenizer, separator: str, sep_ids: list[int], messages: list[di
     # what storing the documents precomputed.
     if messages[0]["role"] != "system":
         messages.insert(0, {"role": "system", "content": system or DEFAULT_SYSTEM})
-    return _kept_whole(documents_at_mark, tokenizer, chat_text(tokenizer, messages), mark, documents, sep_ids)
+    text = chat_text(tokenizer, messages)
+    return _kept_whole(tokenizer, documents, lambda: documents_at_mark(tokenizer, text, mark, documents, sep_ids))
 
 
 def rag(tokenizer, sep_ids: list[int], question: str, documents: Sequence[str], system: str | None) -> Prompt:
     """The question after the documents, after the system prompt (blend.segment.rag_prompt)."""
     _need_tokenizer(tokenizer)
-    return _kept_whole(rag_prompt, tokenizer, sep_ids, system or DEFAULT_SYSTEM, question, documents)
+    return _kept_whole(tokenizer, documents,
+                       lambda: rag_prompt(tokenizer, sep_ids, system or DEFAULT_SYSTEM, question, documents))
 
 
 def chunk_prompt(tokenizer, sep_ids: list[int], documents: Sequence[str], system: str | None) -> Prompt:
@@ -90,12 +92,19 @@ def chunk_prompt(tokenizer, sep_ids: list[int], documents: Sequence[str], system
     return rag(tokenizer, sep_ids, "", documents, system)
 
 
-def _kept_whole(build, *args):
-    """`build(*args)`, a document holding the separator refused as a PromptError on `documents`."""
+def _kept_whole(tokenizer, documents: Sequence[str], build) -> Prompt:
+    """`build()`, the prompt of these documents, where each is exactly one chunk; else a PromptError on
+    `documents`: one holding the separator, or one the tokenizer keeps nothing of (some control characters
+    alone), which would silently shift which chunk is which document's."""
     try:
-        return build(*args)
+        built = build()
     except SeparatorInDocument as e:
         raise PromptError(str(e), "documents") from None
+    if len(built.seg.chunks) != len(documents):
+        empty = next((i for i, d in enumerate(documents, 1) if not tokenizer.encode(d, add_special_tokens=False)), "")
+        raise PromptError(f"document {empty} holds no tokens (the tokenizer keeps nothing of its text): "
+                          "each must hold text", "documents")
+    return built
 
 
 def _need_tokenizer(tokenizer) -> None:
