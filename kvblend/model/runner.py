@@ -457,9 +457,10 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: list[Query
         # applies to every folded row alike.
         g = groups[0]
         mask = g.mask
-        if mask is not None and mask.dtype == torch.bool:
-            mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
-        mask = None if mask is None else mask.to(q.dtype)[None, None]
+        if mask is not None:
+            if mask.dtype == torch.bool:  # additive, as biased_groups' masks are
+                mask = torch.where(mask, 0.0, float("-inf"))
+            mask = mask.to(q.dtype)[None, None]
         o = F.scaled_dot_product_attention(q.view(k.shape[0], -1, q.shape[2])[None], k[None, :, g.start:g.end],
                                            v[None, :, g.start:g.end], attn_mask=mask, scale=scale)[0]
         return o.reshape(q.shape)  # CUDA kernels may return it strided
